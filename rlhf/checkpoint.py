@@ -1,0 +1,69 @@
+"""Saving models in Hugging Face format from any ZeRO stage, with LoRA merged by default.
+
+    python -c "from rlhf.checkpoint import save_hf_model; ..."   # used by the runners
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+
+def gather_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Full CPU state dict on rank 0 (None elsewhere).
+
+    Under ZeRO-3 each parameter is gathered on its own, so peak device memory stays one parameter
+    above the shard, not a whole model.
+    """
+    module = engine.module
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if engine.zero_optimization_stage() != 3:
+        if rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if rank == 0:
+                out[name] = param.detach().to("cpu", copy=True)
+    if rank == 0:
+        for name, buf in module.named_buffers():
+            out.setdefault(name, buf.detach().to("cpu", copy=True))
+    return out if rank == 0 else None
+
+
+def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path | None:
+    """Write config, safetensors weights, tokenizer and generation config that from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    state = gather_state_dict(engine)
+    if state is None:
+        if dist.is_initialized():
+            dist.barrier()
+        return None
+    module = engine.module
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(module, "peft_config"):
+        if merge_lora:
+            from peft import get_peft_model
+
+            # Rebuild the wrapped model on CPU from its config, load the trained state, merge the
+            # adapters into the base weights: the output is a plain model, no PEFT needed to use it.
+            base_cfg = module.get_base_model().config
+            fresh = AutoModelForCausalLM.from_config(base_cfg, dtype=next(iter(state.values())).dtype)
+            peft_model = get_peft_model(fresh, module.peft_config["default"])
+            peft_model.load_state_dict(state, strict=True)
+            merged = peft_model.merge_and_unload()
+            merged.generation_config = module.get_base_model().generation_config
+            merged.save_pretrained(out)
+        else:
+            module.save_pretrained(out, state_dict=state)
+    else:
+        module.save_pretrained(out, state_dict=state)
+    tokenizer.save_pretrained(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out

@@ -1,0 +1,447 @@
+"""Typed schema of a run, registered in Hydra's ConfigStore.
+
+Hydra merges the YAML groups under conf/ onto these dataclasses, so an unknown key or a value of
+the wrong type fails while composing. Invariants that involve values (allowed choices, ranges,
+cross-group arithmetic) live in ``__post_init__`` and run when ``to_schema`` turns the composed
+DictConfig into objects -- in launch.py, before any model or dataset is touched.
+
+    python -c "from rlhf.config import to_schema; ..."   # used by launch.py; no command of its own
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A user error in the composed config; launch.py prints it without a traceback."""
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value!r} must be {bound}")
+
+
+# --------------------------------------------------------------------------------------- model
+MODEL_FAMILIES = ("opt", "llama", "bloom", "gpt_neox", "gpt2")
+
+
+@dataclass
+class ModelConfig:
+    # Short name used in run-directory names and tables.
+    name: str = MISSING
+    # Hub id or local folder handed to from_pretrained; empty for a random model (cache folder).
+    path: str = ""
+    # Architecture family; picks the transformers config class for random models.
+    family: str = "llama"
+    # Build a random model (and a tokenizer trained on the shipped data) instead of downloading.
+    random_init: bool = False
+    # Architecture numbers: they size random models and let memory be estimated offline.
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 4
+    ffn_size: int = 512
+    vocab_size: int = 512
+    max_positions: int = 256
+    # Seed of the random weights and of nothing else (the run seed drives training).
+    init_seed: int = 0
+    # Execute model code shipped with a hub checkpoint; off unless you trust the repository.
+    trust_remote_code: bool = False
+    # Override every dropout probability in the model config; null keeps the checkpoint's own.
+    dropout: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _choice("model.family", self.family, MODEL_FAMILIES)
+        if not self.random_init and not self.path:
+            raise ConfigError(f"model.path is empty for model {self.name!r}: give a hub id or a "
+                              "local folder, or set model.random_init=true")
+        for key in ("num_layers", "hidden_size", "num_heads", "ffn_size", "vocab_size", "max_positions"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                              f"model.num_heads={self.num_heads}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+# ------------------------------------------------------------------------------------ hardware
+@dataclass
+class HardwareConfig:
+    # Preset name, shown in dry-runs and tables.
+    name: str = MISSING
+    # Device kind of one rank.
+    accelerator: str = "cpu"
+    # Machines taking part in the run.
+    nodes: int = 1
+    # Ranks per machine (GPUs, or CPU processes on the cpu preset).
+    devices_per_node: int = 1
+    # Memory of one device in GiB, for the memory pre-flight.
+    memory_per_device_gb: float = 16.0
+    # Training precision; fp32 is the only one CPU kernels run everywhere.
+    precision: str = "fp32"
+    # torch intra-op threads per rank; 0 keeps torch's default. On a loaded 2-core machine
+    # 2 threads ran 11x slower than 1, so the cpu preset pins 1.
+    torch_threads: int = 1
+    # Collective backend: gloo on CPU, nccl on NVIDIA GPUs.
+    dist_backend: str = "gloo"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def __post_init__(self) -> None:
+        _choice("hardware.accelerator", self.accelerator, ("cpu", "cuda"))
+        _choice("hardware.precision", self.precision, ("fp32", "fp16", "bf16"))
+        _choice("hardware.dist_backend", self.dist_backend, ("gloo", "nccl"))
+        _positive("hardware.nodes", self.nodes)
+        _positive("hardware.devices_per_node", self.devices_per_node)
+        _positive("hardware.memory_per_device_gb", self.memory_per_device_gb)
+        _positive("hardware.torch_threads", self.torch_threads, allow_zero=True)
+        if self.accelerator == "cpu" and self.precision == "fp16":
+            raise ConfigError("hardware.precision=fp16 is not supported on hardware.accelerator=cpu "
+                              "(DeepSpeed's CPU accelerator has no fp16 kernels); use fp32 or bf16")
+
+
+# ---------------------------------------------------------------------------------------- zero
+@dataclass
+class OffloadConfig:
+    # Where the state lives between uses: none, cpu or nvme.
+    device: str = "none"
+    # Page-locked host memory: faster copies, but it is taken from the host for the whole run.
+    pin_memory: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    # ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters partitioned.
+    stage: int = 0
+    # Optimizer-state offload (stage >= 1); moves the optimizer to DeepSpeedCPUAdam.
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    # Parameter offload (stage 3 only).
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    # Overlap gradient reduction with the backward pass.
+    overlap_comm: bool = False
+    # Copy gradients into one contiguous buffer to avoid fragmentation.
+    contiguous_gradients: bool = True
+    # Elements per gradient-reduction bucket.
+    reduce_bucket_size: int = 500_000_000
+    # Stage 3: parameters below this many elements stay unpartitioned.
+    stage3_param_persistence_threshold: int = 10_000
+    # Stage 3: elements prefetched ahead of use.
+    stage3_prefetch_bucket_size: int = 30_000_000
+    # Stage 3: most parameters held gathered at once, per rank.
+    stage3_max_live_parameters: int = 30_000_000
+
+    def __post_init__(self) -> None:
+        _choice("zero.stage", self.stage, (0, 1, 2, 3))
+        _choice("zero.offload_optimizer.device", self.offload_optimizer.device, ("none", "cpu", "nvme"))
+        _choice("zero.offload_param.device", self.offload_param.device, ("none", "cpu", "nvme"))
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ConfigError("zero.offload_optimizer needs zero.stage >= 1 (it offloads ZeRO-partitioned state)")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ConfigError("zero.offload_param needs zero.stage=3 (only stage 3 partitions parameters)")
+
+
+# --------------------------------------------------------------------------------------- optim
+@dataclass
+class OptimConfig:
+    # Peak learning rate.
+    lr: float = 1e-3
+    # Decoupled weight decay (AdamW); biases and norm weights are never decayed.
+    weight_decay: float = 0.0
+    # Adam betas.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Adam epsilon.
+    eps: float = 1e-8
+    # Learning-rate schedule after warmup: cosine, linear or constant.
+    scheduler: str = "cosine"
+    # Linear warmup, in optimizer steps.
+    warmup_steps: int = 0
+    # Clip the global gradient norm to this value; 0 turns clipping off.
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _choice("optim.scheduler", self.scheduler, ("cosine", "linear", "constant"))
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
+
+
+# ---------------------------------------------------------------------------------------- lora
+@dataclass
+class LoraConfig:
+    # LoRA rank; 0 trains the full model.
+    rank: int = 0
+    # LoRA scaling numerator (the update is scaled by alpha / rank).
+    alpha: float = 16.0
+    # Dropout on the LoRA branch input.
+    dropout: float = 0.0
+    # Modules that get adapters: names or suffixes, or ["all-linear"] (PEFT's every linear but the head).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # Train only the adapters (DeepSpeed-Chat's --only_optimize_lora); false also trains the base.
+    only_optimize_lora: bool = True
+    # Learning rate of the adapters; null uses optim.lr. DeepSpeed-Chat uses a separate, higher one.
+    lr: Optional[float] = None
+    # Merge adapters into the base weights when saving, so the output is a plain HF model.
+    merge_on_save: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("lora.rank", self.rank, allow_zero=True)
+        _positive("lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if self.rank and not self.target_modules:
+            raise ConfigError("lora.target_modules is empty while lora.rank > 0")
+        if self.lr is not None:
+            _positive("lora.lr", self.lr)
+
+
+# ---------------------------------------------------------------------------------------- data
+@dataclass
+class SourceConfig:
+    # Local folder or json/jsonl/parquet file (loaded with datasets.load_dataset), or a hub id.
+    path: str = MISSING
+    # Relative sampling weight of this source in the blend.
+    weight: float = 1.0
+    # Split of the source used for training, and the one used for evaluation.
+    train_split: str = "train"
+    eval_split: str = "eval"
+
+
+def looks_local(path: str) -> bool:
+    """Paths we must find on disk; anything else ("org/name") is handed to the hub as an id."""
+    return (path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+            or bool(re.search(r"\.(json|jsonl|parquet|csv)$", path)))
+
+
+@dataclass
+class DataConfig:
+    # Blend name, shown in run directories and tables.
+    name: str = MISSING
+    # Sources of the blend, each with a weight.
+    sources: list[SourceConfig] = field(default_factory=list)
+    # DeepSpeed-Chat's per-step split of each source's train rows: SFT, reward, PPO parts.
+    split: str = "2,4,4"
+    # Seed of the split and of blend sampling (kept apart from the run seed so that runs with
+    # different training seeds see the same data).
+    seed: int = 1234
+    # Cap on training rows after blending; -1 keeps all.
+    max_train_samples: int = -1
+    # Cap on evaluation rows; -1 keeps all.
+    max_eval_samples: int = 512
+    # Rows that cannot be used (empty, too long, chosen == rejected): drop and count, or error.
+    on_bad_row: str = "drop"
+
+    @property
+    def split_fractions(self) -> list[float]:
+        parts = [float(x) for x in self.split.split(",")]
+        return [p / sum(parts) for p in parts]
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ConfigError(f"data.sources is empty in blend {self.name!r}")
+        for i, src in enumerate(self.sources):
+            _positive(f"data.sources[{i}].weight", src.weight)
+            path = os.path.expanduser(src.path)
+            if looks_local(src.path) and not os.path.exists(path):
+                raise ConfigError(f"data.sources[{i}].path={src.path!r} does not exist")
+        try:
+            parts = [float(x) for x in self.split.split(",")]
+        except ValueError:
+            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers like '2,4,4'") from None
+        if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+            raise ConfigError(f"data.split={self.split!r} must be three non-negative numbers (SFT, reward, "
+                              "PPO) with a positive sum")
+        _choice("data.on_bad_row", self.on_bad_row, ("drop", "error"))
+
+
+# ---------------------------------------------------------------------------------------- step
+@dataclass
+class StepConfig:
+    """Fields every step has; each step's schema extends it."""
+
+    # Which runner executes the step (registry key in rlhf.runners).
+    name: str = MISSING
+    # Passes over the step's training rows.
+    epochs: int = 1
+    # Stop after this many optimizer steps; -1 runs all epochs.
+    max_steps: int = -1
+    # Rows per forward pass on one device.
+    micro_batch_size_per_device: int = 8
+    # Micro batches accumulated per optimizer step (ignored when global_batch_size is set).
+    gradient_accumulation_steps: int = 1
+    # Rows per optimizer step over all ranks; when set, accumulation is derived from it.
+    global_batch_size: Optional[int] = None
+    # Rows per forward pass on one device during evaluation.
+    eval_micro_batch_size_per_device: int = 32
+    # Longest prompt + answer in tokens; longer rows are handled by data.on_bad_row.
+    max_seq_len: int = 128
+    # Log a metrics line every this many optimizer steps.
+    log_every_steps: int = 10
+    # Evaluate every this many optimizer steps as well as before training and after each epoch; 0: only those.
+    eval_every_steps: int = 0
+    # Recompute activations in the backward pass: less memory, about a third more compute.
+    gradient_checkpointing: bool = False
+    # Write the final model into the run directory.
+    save_model: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "micro_batch_size_per_device", "gradient_accumulation_steps",
+                    "eval_micro_batch_size_per_device", "max_seq_len", "log_every_steps"):
+            _positive(f"step.{key}", getattr(self, key))
+        _positive("step.eval_every_steps", self.eval_every_steps, allow_zero=True)
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"step.max_steps={self.max_steps} must be -1 (all epochs) or positive")
+        if self.global_batch_size is not None:
+            _positive("step.global_batch_size", self.global_batch_size)
+
+
+@dataclass
+class SFTStepConfig(StepConfig):
+    name: str = "sft"
+    # Tokens that carry the loss: the answer only (DeepSpeed-Chat masks nothing), or all tokens.
+    loss_on: str = "answer"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.loss_on", self.loss_on, ("answer", "all"))
+
+
+# The split part each step trains on (DeepSpeed-Chat's data_split index).
+STEP_SPLIT_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
+STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig}
+
+
+# --------------------------------------------------------------------------- launch & logging
+@dataclass
+class LaunchConfig:
+    # Print the DeepSpeed config, batch arithmetic and launch command, then exit without training.
+    dry_run: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    # Show progress bars on rank 0.
+    progress_bar: bool = True
+    # Log to Weights & Biases as well as metrics.jsonl (offline unless WANDB_API_KEY is set).
+    wandb: bool = False
+    # Weights & Biases project.
+    wandb_project: str = "rlhf"
+
+
+# ------------------------------------------------------------------------------------ the run
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    zero: ZeroConfig = MISSING
+    step: Any = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Seed of model-independent randomness in training (sampling order, dropout).
+    seed: int = 42
+    # Where this run writes everything; launch.py fills in Hydra's output directory when empty.
+    run_dir: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.world_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        if self.step.global_batch_size is None:
+            return self.step.gradient_accumulation_steps
+        return self.step.global_batch_size // (self.step.micro_batch_size_per_device * self.world_size)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.step.micro_batch_size_per_device * self.gradient_accumulation_steps * self.world_size
+
+    def __post_init__(self) -> None:
+        if self.step.name not in STEP_SCHEMAS:
+            raise ConfigError(f"step.name={self.step.name!r} is not allowed; choose one of "
+                              f"{', '.join(STEP_SCHEMAS)}")
+        if self.step.global_batch_size is not None:
+            per_step = self.step.micro_batch_size_per_device * self.world_size
+            if self.step.global_batch_size % per_step:
+                raise ConfigError(
+                    f"step.global_batch_size={self.step.global_batch_size} is not divisible by "
+                    f"step.micro_batch_size_per_device ({self.step.micro_batch_size_per_device}) x world size "
+                    f"({self.world_size} = hardware.nodes x hardware.devices_per_node)")
+        if self.model.random_init and self.step.max_seq_len > self.model.max_positions:
+            raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
+                              f"{self.model.max_positions}")
+        if self.hardware.precision == "fp16" and self.zero.offload_optimizer.device == "nvme":
+            pass  # valid; listed so the combination is a decision, not an accident
+
+
+def register_configs() -> None:
+    """Put the schemas where the YAML files' defaults lists find them.
+
+    Group files start with ``defaults: [schema, _self_]`` (step files: ``/step/schema_<name>@step``)
+    so that Hydra merges them onto the dataclass and rejects unknown keys and wrong types.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="hardware", name="schema", node=HardwareConfig)
+    cs.store(group="zero", name="schema", node=ZeroConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    for name, schema in STEP_SCHEMAS.items():
+        cs.store(group="step", name=f"schema_{name}", node=schema)
+
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("project_root"):
+        # Shipped data and caches are addressed from the checkout, whatever the working directory.
+        OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+_register_resolvers()
+
+
+def to_schema(cfg: DictConfig) -> Config:
+    """Resolve and instantiate the composed config, running every ``__post_init__`` check."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        # OmegaConf wraps our ConfigError raised inside __post_init__; unwrap it for a clean message.
+        cause = err.__cause__ or err.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(str(err).splitlines()[0]) from None
+    return obj
+
+
+def load_run_config(path: str | Path) -> Config:
+    """Read a run directory's resolved config.yaml back into the schema (used by every rank)."""
+    loaded = OmegaConf.load(path)
+    name = loaded.get("step", {}).get("name")
+    if name not in STEP_SCHEMAS:
+        raise ConfigError(f"{path}: step.name={name!r} is not one of {', '.join(STEP_SCHEMAS)}")
+    base = OmegaConf.structured(Config)
+    base.step = OmegaConf.structured(STEP_SCHEMAS[name])
+    return to_schema(OmegaConf.merge(base, loaded))

@@ -1,0 +1,128 @@
+"""Sources, DeepSpeed-Chat's per-step split, and weighted blends.
+
+A source is a local folder (``{train,eval}.{jsonl,json,parquet}``), a single local file (train rows
+only), or a hub dataset id; all go through ``datasets.load_dataset``. Each source's train rows are
+shuffled with ``data.seed`` and cut into the SFT / reward / PPO parts of ``data.split`` ("2,4,4"),
+so the three steps never train on the same row. A blend then samples from the sources' parts by
+weight (with repetition where a weight asks for more rows than a part has).
+
+    python -c "from rlhf.data.blend import load_step_data; ..."   # used by the runners
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset, concatenate_datasets, load_dataset
+
+from rlhf.config import STEP_SPLIT_INDEX, ConfigError, DataConfig, SourceConfig, looks_local
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class DataReport:
+    """What happened to the rows: written to the run directory, so nothing is dropped silently."""
+
+    sources: dict[str, dict] = field(default_factory=dict)
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def drop(self, split: str, reason: str, n: int = 1) -> None:
+        bucket = self.dropped.setdefault(split, {})
+        bucket[reason] = bucket.get(reason, 0) + n
+
+    def as_dict(self) -> dict:
+        return {"sources": self.sources, "dropped": self.dropped}
+
+
+def _split_files(folder: Path) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for f in sorted(folder.iterdir()):
+        if f.suffix in FORMATS and f.stem not in files:
+            files[f.stem] = str(f)
+    return files
+
+
+def load_source(src: SourceConfig, split: str, index: int) -> Dataset:
+    """One split of one source, with ``source`` and ``row`` columns for error messages."""
+    path = os.path.expanduser(src.path)
+    key = f"data.sources[{index}]"
+    if looks_local(src.path):
+        p = Path(path)
+        if p.is_dir():
+            files = _split_files(p)
+            if split not in files:
+                raise FileNotFoundError(f"{key}.path={src.path!r} has no '{split}' file "
+                                        f"(found: {', '.join(files) or 'none'}; formats {', '.join(FORMATS)})")
+            ds = load_dataset(FORMATS[Path(files[split]).suffix], data_files={split: files[split]}, split=split)
+        else:
+            if split != src.train_split:
+                raise FileNotFoundError(f"{key}.path={src.path!r} is a single file; it has no '{split}' split. "
+                                        "Point the source at a folder with train and eval files.")
+            if p.suffix not in FORMATS:
+                raise ValueError(f"{key}.path={src.path!r}: unknown format {p.suffix!r}; use {', '.join(FORMATS)}")
+            ds = load_dataset(FORMATS[p.suffix], data_files={"train": path}, split="train")
+    else:
+        ds = load_dataset(src.path, split=split)
+    ds = ds.add_column("row", list(range(len(ds))))
+    return ds.add_column("source", [src.path] * len(ds))
+
+
+def _seed_for(seed: int, path: str) -> int:
+    # Per-source seed: adding a source to a blend must not reshuffle the others' splits.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:4], "little")
+
+
+def split_part(ds: Dataset, fractions: list[float], part: int, seed: int) -> Dataset:
+    """Rows of one step's part; the parts are disjoint and together cover every row."""
+    order = np.random.default_rng(seed).permutation(len(ds))
+    bounds = np.round(np.cumsum([0.0, *fractions]) * len(ds)).astype(int)
+    return ds.select(sorted(order[bounds[part]:bounds[part + 1]].tolist()))
+
+
+def blend(parts: list[Dataset], weights: list[float], seed: int, total: int | None = None) -> tuple[Dataset, list[int]]:
+    """Sample ``total`` rows (default: all rows of all parts) with probabilities proportional to weights."""
+    rng = np.random.default_rng(seed)
+    total = sum(len(p) for p in parts) if total is None else total
+    probs = np.asarray(weights, dtype=float) / sum(weights)
+    counts = np.floor(probs * total).astype(int)
+    counts[: total - counts.sum()] += 1  # hand out the rounding remainder
+    picked = []
+    for part, k in zip(parts, counts):
+        if len(part) == 0 or k == 0:
+            continue
+        # Without replacement up to the part's size; a weight asking for more repeats whole passes.
+        idx = np.concatenate([rng.permutation(len(part)) for _ in range(-(-k // len(part)))])[:k]
+        picked.append(part.select(idx.tolist()))
+    if not picked:
+        raise ValueError("the blend selected no rows: every source's part is empty")
+    out = concatenate_datasets(picked)
+    return out.shuffle(seed=int(rng.integers(2**31))), counts.tolist()
+
+
+def load_step_data(cfg: DataConfig, step: str, report: DataReport) -> tuple[Dataset, Dataset]:
+    """Train rows of ``step``'s part of the blend, and the blend's eval rows."""
+    part = STEP_SPLIT_INDEX[step]
+    trains, evals = [], []
+    for i, src in enumerate(cfg.sources):
+        full = load_source(src, src.train_split, i)
+        trains.append(split_part(full, cfg.split_fractions, part, _seed_for(cfg.seed, src.path)))
+        evals.append(load_source(src, src.eval_split, i))
+        report.sources[src.path] = {"train_rows": len(full), f"{step}_part_rows": len(trains[-1]),
+                                    "eval_rows": len(evals[-1]), "weight": src.weight}
+    total = sum(len(t) for t in trains)
+    if total == 0:
+        raise ConfigError(f"data.split={cfg.split!r} leaves no train rows for step {step!r} (part {part})")
+    if cfg.max_train_samples > 0:
+        total = min(total, cfg.max_train_samples)
+    train, counts = blend(trains, [s.weight for s in cfg.sources], cfg.seed, total)
+    for src, k in zip(cfg.sources, counts):
+        report.sources[src.path]["sampled"] = k
+    eval_ds = concatenate_datasets(evals)
+    if 0 < cfg.max_eval_samples < len(eval_ds):
+        eval_ds = eval_ds.shuffle(seed=cfg.seed).select(range(cfg.max_eval_samples))
+    return train, eval_ds

@@ -1,0 +1,172 @@
+"""The shipped synthetic preference tasks, and the rule that scores any answer to them.
+
+Every row is in DeepSpeed-Chat's columns (prompt, chosen, rejected) with prompts in its
+" Human: ... Assistant:" convention. Because a rule knows the right answer to every prompt, the
+reward model and PPO can be checked against the truth instead of against themselves.
+
+Rejected answers are hard near misses -- the right form with wrong content, the mistakes a half-
+trained policy makes (two letters swapped, the input echoed, one letter replaced) -- because a
+reward model trained on easy negatives is gamed by PPO.
+
+Regenerate the shipped files (deterministic from the seed):
+    python -m rlhf.data.synthetic --out data/synthetic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import string
+from pathlib import Path
+from typing import Callable
+
+LETTERS = string.ascii_lowercase
+NUM_LETTERS = 4
+PROMPT_RE = re.compile(r"^\s*Human:\s*(\w+)\s+(.*?)\s*Assistant:\s*$", re.DOTALL)
+
+
+def make_prompt(task: str, args: list[str]) -> str:
+    return f" Human: {task} {' '.join(args)} Assistant:"
+
+
+def _answer_sort(args: list[str]) -> list[str]:
+    return sorted(args)
+
+
+def _answer_reverse(args: list[str]) -> list[str]:
+    return list(reversed(args))
+
+
+def _answer_add(args: list[str]) -> list[str]:
+    return [str(int(args[0]) + int(args[1]))]
+
+
+ANSWERS: dict[str, Callable[[list[str]], list[str]]] = {
+    "sort": _answer_sort,
+    "reverse": _answer_reverse,
+    "add": _answer_add,
+}
+
+
+def parse_prompt(prompt: str) -> tuple[str, list[str]] | None:
+    m = PROMPT_RE.match(prompt)
+    if not m or m.group(1) not in ANSWERS:
+        return None
+    return m.group(1), m.group(2).split()
+
+
+def expected_answer(prompt: str) -> str | None:
+    parsed = parse_prompt(prompt)
+    if parsed is None:
+        return None
+    task, args = parsed
+    try:
+        return " " + " ".join(ANSWERS[task](args))
+    except (ValueError, IndexError):
+        return None
+
+
+def rule_score(prompt: str, answer: str) -> float:
+    """1.0 when the answer is right, else 0.0; whitespace is not part of the answer's content."""
+    expected = expected_answer(prompt)
+    if expected is None:
+        raise ValueError(f"not a prompt of the synthetic tasks: {prompt!r}")
+    return float(answer.split() == expected.split())
+
+
+# ------------------------------------------------------------------------------- near misses
+def _letter_near_miss(rng: random.Random, args: list[str], right: list[str]) -> list[str]:
+    kinds = ["swap_adjacent", "swap_any", "replace", "duplicate"]
+    if args != right:
+        kinds.append("echo")
+    while True:
+        kind = rng.choice(kinds)
+        out = list(right)
+        if kind == "swap_adjacent":
+            i = rng.randrange(len(out) - 1)
+            out[i], out[i + 1] = out[i + 1], out[i]
+        elif kind == "swap_any":
+            i, j = rng.sample(range(len(out)), 2)
+            out[i], out[j] = out[j], out[i]
+        elif kind == "replace":
+            out[rng.randrange(len(out))] = rng.choice([c for c in LETTERS if c not in args])
+        elif kind == "duplicate":
+            i, j = rng.sample(range(len(out)), 2)
+            out[j] = out[i]
+        else:
+            out = list(args)
+        if out != right:
+            return out
+
+
+def _number_near_miss(rng: random.Random, right: int) -> int:
+    while True:
+        kind = rng.choice(["off_by_one", "off_by_ten", "digits_swapped", "no_carry"])
+        if kind == "off_by_one":
+            out = right + rng.choice([-1, 1])
+        elif kind == "off_by_ten":
+            out = right + rng.choice([-10, 10])
+        elif kind == "digits_swapped":
+            out = int(str(right)[::-1])
+        else:
+            out = right - 10 if right >= 10 else right + 10
+        if out != right and out >= 0:
+            return out
+
+
+# ------------------------------------------------------------------------------------ tables
+def generate(task: str, n_train: int, n_eval: int, seed: int) -> dict[str, list[dict]]:
+    """Rows for one task; train and eval prompts never share an input."""
+    rng = random.Random(f"{task}-{seed}")
+    if task == "add":
+        inputs = [[str(a), str(b)] for a in range(100) for b in range(100)]
+        rng.shuffle(inputs)
+    else:
+        seen: set[tuple[str, ...]] = set()
+        inputs = []
+        while len(inputs) < n_train + n_eval:
+            args = rng.sample(LETTERS, NUM_LETTERS)
+            if tuple(args) not in seen:
+                seen.add(tuple(args))
+                inputs.append(args)
+    if len(inputs) < n_train + n_eval:
+        raise ValueError(f"task {task!r} has only {len(inputs)} distinct inputs")
+    rows = []
+    for args in inputs[: n_train + n_eval]:
+        right = ANSWERS[task](args)
+        if task == "add":
+            wrong = [str(_number_near_miss(rng, int(right[0])))]
+        else:
+            wrong = _letter_near_miss(rng, args, right)
+        rows.append({"prompt": make_prompt(task, args), "chosen": " " + " ".join(right),
+                     "rejected": " " + " ".join(wrong)})
+    return {"train": rows[:n_train], "eval": rows[n_train:]}
+
+
+# Rows per task: sort is the default blend and the quality benchmarks' task, so it is the largest.
+SIZES = {"sort": (20000, 1000), "reverse": (10000, 1000), "add": (8000, 1000)}
+
+
+def write(out: Path, seed: int = 0) -> None:
+    for task, (n_train, n_eval) in SIZES.items():
+        folder = out / task
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, rows in generate(task, n_train, n_eval, seed).items():
+            with open(folder / f"{split}.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        print(f"{folder}: {n_train} train, {n_eval} eval rows")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("data/synthetic"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    write(args.out, args.seed)
+
+
+if __name__ == "__main__":
+    main()

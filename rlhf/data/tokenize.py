@@ -1,0 +1,73 @@
+"""Tokenize rows for each step and collate them into padded batches.
+
+Prompt and answer are tokenized apart and concatenated, so the answer's first token is known
+exactly (no guessing from a joint encoding), and eos is appended as the answer's last token.
+Rows that cannot be used -- an empty prompt or answer, or a row longer than ``step.max_seq_len`` --
+are dropped and counted in the data report by default, or stop the run with the source, row and
+column named when ``data.on_bad_row=error``.
+
+    python -c "from rlhf.data.tokenize import sft_dataset; ..."   # used by the runners
+"""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+
+from rlhf.data.blend import DataReport
+
+IGNORE_INDEX = -100
+
+
+class BadRowError(ValueError):
+    pass
+
+
+def _bad(report: DataReport, split: str, on_bad_row: str, row: dict, reason: str, column: str) -> None:
+    if on_bad_row == "error":
+        raise BadRowError(f"bad row in source {row['source']!r}, row {row['row']}, column {column!r}: {reason} "
+                          "(set data.on_bad_row=drop to drop and count such rows)")
+    report.drop(split, reason)
+
+
+def sft_dataset(rows: Dataset, tokenizer, max_seq_len: int, loss_on: str, report: DataReport, split: str,
+                on_bad_row: str = "drop") -> Dataset:
+    """input_ids and labels for next-token loss on the chosen answer (or on all tokens)."""
+    input_ids, labels = [], []
+    for row in rows:
+        prompt, answer = row["prompt"], row["chosen"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            _bad(report, split, on_bad_row, row, "empty prompt", "prompt")
+            continue
+        if not isinstance(answer, str) or not answer.strip():
+            _bad(report, split, on_bad_row, row, "empty answer", "chosen")
+            continue
+        p = tokenizer(prompt).input_ids
+        a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        if len(p) + len(a) > max_seq_len:
+            _bad(report, split, on_bad_row, row, f"longer than step.max_seq_len={max_seq_len}", "chosen")
+            continue
+        input_ids.append(p + a)
+        labels.append(([IGNORE_INDEX] * len(p) if loss_on == "answer" else list(p)) + a)
+    if not input_ids:
+        raise BadRowError(f"no usable {split} rows left after dropping bad ones: {report.dropped.get(split)}")
+    return Dataset.from_dict({"input_ids": input_ids, "labels": labels})
+
+
+class PadCollator:
+    """Right-pads input_ids (pad id), attention_mask (0) and labels (ignored) to the batch's longest row."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(b["input_ids"]) for b in batch)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+        for i, b in enumerate(batch):
+            n = len(b["input_ids"])
+            ids[i, :n] = torch.tensor(b["input_ids"])
+            mask[i, :n] = 1
+            labels[i, :n] = torch.tensor(b["labels"])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -1,0 +1,185 @@
+"""Load causal LMs and tokenizers, build random CPU models, attach LoRA through PEFT.
+
+Every model is loaded with ``from_pretrained(path_or_hub_id)``. A ``random_init`` model (the
+``tiny-*`` files under conf/model) is first built once into a cache folder -- random weights from
+its architecture numbers plus a byte-level BPE tokenizer trained on the shipped data -- and then
+loaded from there like any checkpoint, so a hub id works unchanged wherever a hub is reachable.
+
+    python -c "from rlhf.models import random_model_dir; ..."   # no command of its own
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                          LlamaConfig, OPTConfig, PreTrainedModel, PreTrainedTokenizerFast)
+
+from rlhf.config import PROJECT_ROOT, LoraConfig, ModelConfig
+
+# Special tokens of the tokenizers we train: pad is distinct from eos so that a mask built from
+# pad never hides a real end of answer.
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+TOKENIZER_CORPUS = "data/synthetic/*/train.jsonl"
+# Bump when the way random models are built changes, so stale cache entries are not reused.
+BUILD_VERSION = 1
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf"))
+
+
+def _corpus_files() -> list[Path]:
+    files = sorted(PROJECT_ROOT.glob(TOKENIZER_CORPUS))
+    if not files:
+        raise FileNotFoundError(f"no tokenizer corpus at {PROJECT_ROOT / TOKENIZER_CORPUS}; "
+                                "run `python -m rlhf.data.synthetic --out data/synthetic`")
+    return files
+
+
+def random_model_dir(cfg: ModelConfig) -> Path:
+    """Cache folder of a random model, keyed by everything that changes its files."""
+    digest = hashlib.sha256()
+    spec = {k: getattr(cfg, k) for k in ("family", "num_layers", "hidden_size", "num_heads", "ffn_size",
+                                         "vocab_size", "max_positions", "init_seed")}
+    digest.update(json.dumps({"spec": spec, "version": BUILD_VERSION}, sort_keys=True).encode())
+    for f in _corpus_files():
+        digest.update(f.read_bytes())
+    return cache_root() / "random" / f"{cfg.name}-{digest.hexdigest()[:12]}"
+
+
+def train_tokenizer(vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE on the shipped data: no unknown tokens, and one token per ' x' letter."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def texts():
+        for f in _corpus_files():
+            with open(f) as fh:
+                for line in fh:
+                    row = json.loads(line)
+                    yield row["prompt"] + row["chosen"]
+                    yield row["prompt"] + row["rejected"]
+
+    tok.train_from_iterator(texts(), trainer)
+    # Like OPT and LLaMA tokenizers, put bos in front of every encoded text.
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                       special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=max_length)
+
+
+def _random_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast):
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    dropout = cfg.dropout or 0.0
+    if cfg.family == "opt":
+        return OPTConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, ffn_dim=cfg.ffn_size,
+                         max_position_embeddings=cfg.max_positions, word_embed_proj_dim=cfg.hidden_size,
+                         dropout=dropout, attention_dropout=dropout, **ids)
+    if cfg.family == "llama":
+        return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                           num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+                           intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
+                           attention_dropout=dropout, tie_word_embeddings=False, **ids)
+    raise ValueError(f"model.family={cfg.family!r}: random models are built for opt and llama only")
+
+
+def build_random_model(cfg: ModelConfig, out: Path) -> Path:
+    """Write a random model + tokenizer into ``out`` (atomically: concurrent builders are safe)."""
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tokenizer = train_tokenizer(cfg.vocab_size, cfg.max_positions)
+        if len(tokenizer) > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens > model.vocab_size={cfg.vocab_size}")
+        torch.manual_seed(cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(_random_config(cfg, tokenizer))
+        model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                                   eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process finished first; its files are identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_path(cfg: ModelConfig) -> str:
+    """The path or hub id to hand to from_pretrained, building a random model on first use."""
+    if cfg.path:
+        return cfg.path
+    return str(build_random_model(cfg, random_model_dir(cfg)))
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        # LLaMA ships no pad token. Reusing eos would make masks built from pad hide real ends of
+        # answers, so add a distinct one (the model's embeddings are resized in load_causal_lm).
+        tokenizer.add_special_tokens({"pad_token": PAD})
+    return tokenizer
+
+
+_DROPOUT_KEYS = ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "attn_pdrop",
+                 "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dropout: float | None = None,
+                   trust_remote_code: bool = False) -> PreTrainedModel:
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if dropout is not None:
+        for key in _DROPOUT_KEYS:
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        # Multiple of 8 keeps the embedding GEMMs on fast tensor-core shapes.
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
+    """Wrap ``model`` in PEFT LoRA adapters; a no-op when ``lora.rank`` is 0."""
+    if cfg.rank == 0:
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules[0] if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                              task_type="CAUSAL_LM")
+    model = get_peft_model(model, peft_cfg)
+    if not cfg.only_optimize_lora:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    return model
+
+
+def is_lora_param(name: str) -> bool:
+    return "lora_" in name

@@ -1,0 +1,7 @@
+"""Registry of step runners: ``step.name`` -> ``run(cfg) -> final metrics``."""
+
+from rlhf.runners import sft
+
+RUNNERS = {
+    "sft": sft.run,
+}

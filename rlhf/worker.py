@@ -1,0 +1,61 @@
+"""Per-rank entry: read the resolved config from the run directory, init distributed, run the step.
+
+launch.py calls ``main`` in-process for one rank; for several ranks or nodes it starts
+    deepspeed --no_local_rank ... -m rlhf.worker RUN_DIR/config.yaml
+so that Hydra composes once and every rank reads the same resolved file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+
+import numpy as np
+import torch
+
+from rlhf.config import Config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: Config) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if cfg.hardware.torch_threads:
+        torch.set_num_threads(cfg.hardware.torch_threads)
+    # Outside the launcher DeepSpeed would reach for mpi4py to discover the world; a single
+    # process tells it directly.
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=cfg.hardware.dist_backend, verbose=False)
+    if cfg.hardware.accelerator == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def main(cfg: Config) -> dict:
+    from rlhf.runners import RUNNERS
+
+    init_distributed(cfg)
+    seed_everything(cfg.seed)
+    return RUNNERS[cfg.step.name](cfg)
+
+
+if __name__ == "__main__":
+    from rlhf.config import load_run_config
+
+    main(load_run_config(sys.argv[1]))
