@@ -10,9 +10,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from rlhf.config import ConfigError, register_configs
+from rlhf.config import ConfigError, quote_numeric_groups, register_configs
 
 register_configs()
+sys.argv[1:] = quote_numeric_groups(sys.argv[1:])
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)

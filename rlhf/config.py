@@ -412,6 +412,21 @@ def register_configs() -> None:
         cs.store(group="step", name=f"schema_{name}", node=schema)
 
 
+# Config groups whose option names are numbers. Hydra parses `zero=3` as the integer 3 and then
+# refuses it as a group choice ("must be a string"), so such overrides are quoted before Hydra
+# sees them: `zero=3` -> `zero='3'`, `zero=2,3` (a sweep) -> `zero='2','3'`.
+NUMERIC_GROUPS = ("zero",)
+_NUMERIC_GROUP_OVERRIDE = re.compile(rf"^({'|'.join(NUMERIC_GROUPS)})=([0-9]+(?:,[0-9]+)*)$")
+
+
+def quote_numeric_groups(args: list[str]) -> list[str]:
+    out = []
+    for arg in args:
+        m = _NUMERIC_GROUP_OVERRIDE.match(arg)
+        out.append(f"{m.group(1)}=" + ",".join(f"'{v}'" for v in m.group(2).split(",")) if m else arg)
+    return out
+
+
 def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("project_root"):
         # Shipped data and caches are addressed from the checkout, whatever the working directory.

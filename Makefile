@@ -1,0 +1,38 @@
+# Set-up and everyday commands. `make run` and `make test` work on a fresh machine with Python 3.11.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: help install run test test-all lint bench data
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+install: $(STAMP)  ## create .venv and install the package with its test tools
+
+# torch goes first and pinned: 2.13.0 is the CPU wheel on this machine's disk; letting pip pick a
+# torch for deepspeed would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: install  ## the default job on CPU: SFT of a tiny random LLaMA on the shipped sort task
+	$(BIN)/python launch.py
+
+test: install  ## the test suite (CPU, a few minutes)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: install  ## the test suite including slow tests
+	$(BIN)/python -m pytest -q
+
+lint: install  ## ruff over the code
+	$(BIN)/ruff check rlhf tests bench launch.py
+
+bench: install  ## the SFT overhead benchmark (runner vs a bare torch loop)
+	$(BIN)/python bench/sft_overhead.py
+
+data:  ## regenerate the shipped synthetic data (deterministic)
+	$(BIN)/python -m rlhf.data.synthetic --out data/synthetic

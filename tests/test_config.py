@@ -1,0 +1,122 @@
+"""Every YAML under conf/ composes and validates; each bad input fails with a message naming its key."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from rlhf.config import Config, ConfigError, SFTStepConfig, to_schema
+from tests.conftest import ROOT, compose
+
+GROUP_FILES = sorted(p for p in (ROOT / "conf").rglob("*.yaml") if p.parent != ROOT / "conf")
+
+
+def test_conf_tree_is_found():
+    groups = {p.parent.name for p in GROUP_FILES}
+    assert {"model", "hardware", "zero", "step", "data"} <= groups
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(ROOT / "conf")))
+def test_every_config_file_composes_and_validates(path):
+    group = path.parent.relative_to(ROOT / "conf").as_posix()
+    cfg = to_schema(compose([f"{group}={path.stem}"]))
+    assert isinstance(cfg, Config)
+    assert getattr(cfg, group.split("/")[0]) is not None
+
+
+def test_default_config_is_typed():
+    cfg = to_schema(compose())
+    assert isinstance(cfg.step, SFTStepConfig)
+    assert cfg.model.name == "tiny-llama" and cfg.zero.stage == 0 and cfg.hardware.precision == "fp32"
+    assert cfg.global_batch_size == cfg.step.micro_batch_size_per_device * cfg.step.gradient_accumulation_steps
+
+
+LEAF = re.compile(r"^\s*(- )?[\w.]+:\s*[^\s#]")
+PARENT = re.compile(r"^\s*(- )?[\w.]+:\s*$")
+
+
+def test_every_user_key_has_a_comment_line_above():
+    """A leaf key needs a comment directly above it (or above its parent key when it is the first child)."""
+    for path in GROUP_FILES + [ROOT / "conf" / "config.yaml"]:
+        lines = path.read_text().splitlines()
+        in_defaults = False
+        for i, line in enumerate(lines):
+            if line.startswith("defaults:"):
+                in_defaults = True
+                continue
+            if in_defaults and (line.startswith(" ") or not line.strip()):
+                continue
+            in_defaults = False
+            if not LEAF.match(line):
+                continue
+            above = lines[i - 1].strip() if i else ""
+            parent_ok = PARENT.match(lines[i - 1]) and i > 1 and lines[i - 2].strip().startswith("#")
+            assert above.startswith("#") or parent_ok, f"{path.relative_to(ROOT)}:{i + 1} {line.strip()!r} has no comment above"
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_unknown_key_fails_at_compose():
+    with pytest.raises(ConfigCompositionException, match="step.lrr"):
+        compose(["step.lrr=1"])
+
+
+def test_wrong_type_fails_at_compose():
+    with pytest.raises(ConfigCompositionException, match="step.epochs"):
+        compose(["step.epochs=many"])
+
+
+def test_missing_zero_stage_names_the_group():
+    with pytest.raises(MissingConfigException, match="zero"):
+        compose(["zero=7"])
+
+
+def test_stage_value_out_of_range_names_the_key():
+    with pytest.raises(ConfigError, match="zero.stage=5"):
+        to_schema(compose(["zero.stage=5"]))
+
+
+def test_batch_not_divisible_names_the_keys():
+    with pytest.raises(ConfigError, match="step.global_batch_size=10 is not divisible"):
+        to_schema(compose(["step.global_batch_size=10", "step.micro_batch_size_per_device=4"]))
+
+
+def test_missing_data_path_names_the_source():
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].path='/nonexistent/data' does not exist"):
+        to_schema(compose(["data.sources=[{path: /nonexistent/data}]"]))
+
+
+@pytest.mark.parametrize("split", ["0,0,0", "1,2", "a,b,c", "-1,2,3"])
+def test_bad_split_names_the_key(split):
+    with pytest.raises(ConfigError, match="data.split"):
+        to_schema(compose([f"data.split='{split}'"]))
+
+
+def test_choice_errors_list_the_allowed_values():
+    with pytest.raises(ConfigError, match="optim.scheduler='cosin' is not allowed; choose one of cosine, linear"):
+        to_schema(compose(["optim.scheduler=cosin"]))
+    with pytest.raises(ConfigError, match="hardware.precision=fp16 is not supported"):
+        to_schema(compose(["hardware.precision=fp16"]))
+    with pytest.raises(ConfigError, match="zero.offload_param needs zero.stage=3"):
+        to_schema(compose(["zero=2", "zero.offload_param.device=cpu"]))
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_zero_7_exits_nonzero_naming_zero():
+    proc = _launch("step=sft", "zero=7")
+    assert proc.returncode != 0
+    assert "zero" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_user_error_is_one_line_without_traceback(tmp_path):
+    proc = _launch("step.global_batch_size=10", f"run_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert "config error: step.global_batch_size=10" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "config.yaml").exists(), "nothing may be written before validation passes"

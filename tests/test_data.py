@@ -1,0 +1,136 @@
+"""Shipped synthetic data, the rule, DeepSpeed-Chat's split, weighted blends and bad rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf.config import DataConfig, SourceConfig
+from rlhf.data import synthetic
+from rlhf.data.blend import DataReport, blend, load_step_data, split_part
+from rlhf.data.tokenize import IGNORE_INDEX, BadRowError, PadCollator, sft_dataset
+from tests.conftest import ROOT
+
+SORT = str(ROOT / "data" / "synthetic" / "sort")
+
+
+def test_shipped_files_are_what_the_generator_writes(tmp_path):
+    synthetic.write(tmp_path, seed=0)
+    for task in synthetic.SIZES:
+        for split in ("train", "eval"):
+            assert (tmp_path / task / f"{split}.jsonl").read_bytes() == \
+                (ROOT / "data" / "synthetic" / task / f"{split}.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("task", list(synthetic.SIZES))
+def test_rule_accepts_chosen_rejects_near_misses(task):
+    rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / task / "train.jsonl")][:500]
+    for row in rows:
+        assert row["prompt"].startswith(" Human: ") and row["prompt"].endswith(" Assistant:")
+        assert synthetic.rule_score(row["prompt"], row["chosen"]) == 1.0
+        assert synthetic.rule_score(row["prompt"], row["rejected"]) == 0.0
+        # A near miss keeps the answer's form: same number of space-separated tokens.
+        assert len(row["rejected"].split()) == len(row["chosen"].split())
+
+
+def test_rule_by_hand():
+    p = " Human: sort d b a c Assistant:"
+    assert synthetic.rule_score(p, " a b c d") == 1.0
+    assert synthetic.rule_score(p, "a  b c d ") == 1.0
+    assert synthetic.rule_score(p, " a c b d") == 0.0
+    assert synthetic.rule_score(p, "") == 0.0
+    assert synthetic.rule_score(" Human: add 27 6 Assistant:", " 33") == 1.0
+    assert synthetic.rule_score(" Human: reverse a b c d Assistant:", " d c b a") == 1.0
+    with pytest.raises(ValueError, match="not a prompt"):
+        synthetic.rule_score("hello", "x")
+
+
+def test_train_and_eval_prompts_are_disjoint():
+    for task in synthetic.SIZES:
+        folder = ROOT / "data" / "synthetic" / task
+        train = {json.loads(line)["prompt"] for line in open(folder / "train.jsonl")}
+        evals = {json.loads(line)["prompt"] for line in open(folder / "eval.jsonl")}
+        assert not train & evals
+
+
+def _cfg(**kw) -> DataConfig:
+    return DataConfig(name="t", sources=[SourceConfig(path=SORT)], **kw)
+
+
+def test_split_parts_are_disjoint_cover_all_and_are_deterministic():
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"i": list(range(1000))})
+    parts = [list(split_part(ds, [0.2, 0.4, 0.4], k, seed=7)["i"]) for k in range(3)]
+    assert [len(p) for p in parts] == [200, 400, 400]
+    assert set(parts[0]).isdisjoint(parts[1]) and set(parts[1]).isdisjoint(parts[2])
+    assert sorted(parts[0] + parts[1] + parts[2]) == list(range(1000))
+    assert list(split_part(ds, [0.2, 0.4, 0.4], 1, seed=7)["i"]) == parts[1]
+    assert list(split_part(ds, [0.2, 0.4, 0.4], 1, seed=8)["i"]) != parts[1]
+
+
+def test_step_parts_of_the_shipped_blend_are_disjoint():
+    prompts = {}
+    for step in ("sft", "reward", "ppo"):
+        train, _ = load_step_data(_cfg(), step, DataReport())
+        prompts[step] = set(train["prompt"])
+    assert len(prompts["sft"]) == 4000 and len(prompts["reward"]) == 8000
+    assert not prompts["sft"] & prompts["reward"] and not prompts["reward"] & prompts["ppo"]
+
+
+def test_blend_weights_sample_in_proportion():
+    from datasets import Dataset
+
+    a = Dataset.from_dict({"src": ["a"] * 300})
+    b = Dataset.from_dict({"src": ["b"] * 300})
+    out, counts = blend([a, b], [3.0, 1.0], seed=0, total=400)
+    assert counts == [300, 100]
+    assert list(out["src"]).count("a") == 300
+    # A weight asking for more rows than the part has repeats it instead of failing.
+    out, counts = blend([a, b], [9.0, 1.0], seed=0, total=600)
+    assert counts == [540, 60] and list(out["src"]).count("a") == 540
+
+
+class _Tok:
+    """A whitespace tokenizer with the calling convention of HF tokenizers, for hand-checked ids."""
+
+    eos_token_id, pad_token_id, bos_token_id = 2, 0, 1
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [10 + len(w) for w in text.split()]
+        return type("E", (), {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids})
+
+
+def _rows(*triples):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [t[0] for t in triples], "chosen": [t[1] for t in triples],
+                              "source": ["s.jsonl"] * len(triples), "row": list(range(len(triples)))})
+
+
+def test_sft_labels_mask_the_prompt():
+    ds = sft_dataset(_rows(("a bb", "ccc")), _Tok(), 16, "answer", DataReport(), "train")
+    assert ds[0]["input_ids"] == [1, 11, 12, 13, 2]
+    assert ds[0]["labels"] == [IGNORE_INDEX] * 3 + [13, 2]
+    ds = sft_dataset(_rows(("a bb", "ccc")), _Tok(), 16, "all", DataReport(), "train")
+    assert ds[0]["labels"] == [1, 11, 12, 13, 2]
+
+
+def test_bad_rows_are_dropped_and_counted():
+    report = DataReport()
+    ds = sft_dataset(_rows(("a", "b"), ("", "b"), ("a", " "), ("a " * 20, "b")), _Tok(), 8, "answer", report, "train")
+    assert len(ds) == 1
+    assert report.dropped["train"] == {"empty prompt": 1, "empty answer": 1, "longer than step.max_seq_len=8": 1}
+
+
+def test_bad_row_error_names_source_row_and_column():
+    with pytest.raises(BadRowError, match=r"source 's.jsonl', row 1, column 'chosen': empty answer"):
+        sft_dataset(_rows(("a", "b"), ("a", "")), _Tok(), 8, "answer", DataReport(), "train", on_bad_row="error")
+
+
+def test_collator_pads_right():
+    batch = PadCollator(0)([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [1], "labels": [1]}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [1, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 2, 3], [1, -100, -100]]

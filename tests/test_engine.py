@@ -1,0 +1,72 @@
+"""The engine factory's DeepSpeed configs, field by field, for every zero file and precision."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, to_schema
+from rlhf.engine import ds_config
+from tests.conftest import ROOT, compose
+
+ZERO_FILES = sorted(p.stem for p in (ROOT / "conf" / "zero").glob("*.yaml"))
+EXPECTED = {  # stage, optimizer offload, parameter offload
+    "0": (0, None, None), "1": (1, None, None), "2": (2, None, None), "3": (3, None, None),
+    "2-offload": (2, "cpu", None), "3-offload": (3, "cpu", "cpu"),
+}
+
+
+def test_every_zero_file_is_expected():
+    assert set(ZERO_FILES) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("zero", ZERO_FILES)
+def test_zero_block_matches_the_file(zero):
+    cfg = to_schema(compose([f"zero={zero}"]))
+    stage, opt_off, param_off = EXPECTED[zero]
+    ds = ds_config(cfg)
+    block = ds["zero_optimization"]
+    assert block["stage"] == stage
+    assert block.get("offload_optimizer", {}).get("device") == opt_off
+    assert block.get("offload_param", {}).get("device") == param_off
+    assert ds.get("zero_force_ds_cpu_optimizer", False) == (opt_off is not None)
+    assert ds["gradient_clipping"] == cfg.optim.grad_clip
+    # Frozen roles carry no optimizer offload and no gradient settings; stage 3 alone partitions them.
+    frozen = ds_config(cfg, trainable=False)
+    assert frozen["zero_optimization"]["stage"] == (3 if stage == 3 else 0)
+    assert "offload_optimizer" not in frozen["zero_optimization"]
+    assert frozen["zero_optimization"].get("offload_param", {}).get("device") == param_off
+    assert "gradient_clipping" not in frozen
+
+
+@pytest.mark.parametrize("micro,accum,world_nodes,world_devices", [(8, 1, 1, 1), (4, 4, 1, 1), (2, 3, 2, 4)])
+def test_batch_arithmetic(micro, accum, world_nodes, world_devices):
+    cfg = to_schema(compose([f"step.micro_batch_size_per_device={micro}", f"step.gradient_accumulation_steps={accum}",
+                             f"hardware.nodes={world_nodes}", f"hardware.devices_per_node={world_devices}"]))
+    ds = ds_config(cfg)
+    world = world_nodes * world_devices
+    assert ds["train_micro_batch_size_per_gpu"] == micro
+    assert ds["gradient_accumulation_steps"] == accum
+    assert ds["train_batch_size"] == micro * accum * world == cfg.global_batch_size
+
+
+def test_global_batch_derives_accumulation():
+    cfg = to_schema(compose(["step.global_batch_size=64", "step.micro_batch_size_per_device=4",
+                             "hardware.devices_per_node=2"]))
+    ds = ds_config(cfg)
+    assert ds["gradient_accumulation_steps"] == 8
+    assert ds["train_batch_size"] == 64
+
+
+@pytest.mark.parametrize("precision,bf16,fp16", [("fp32", False, False), ("bf16", True, False)])
+def test_precision_comes_from_the_preset(precision, bf16, fp16):
+    ds = ds_config(to_schema(compose([f"hardware.precision={precision}"])))
+    assert ds["bf16"]["enabled"] is bf16
+    assert ds["fp16"]["enabled"] is fp16
+
+
+def test_fp16_allowed_on_cuda_only():
+    ds = ds_config(to_schema(compose(["hardware.accelerator=cuda", "hardware.precision=fp16",
+                                      "hardware.dist_backend=nccl"])))
+    assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0
+    with pytest.raises(ConfigError, match="fp16"):
+        to_schema(compose(["hardware.precision=fp16"]))
