@@ -1,0 +1,69 @@
+"""Tiny SFT runs through real DeepSpeed engines (no mocks): loss and perplexity fall, and the saved
+model reloads with AutoModelForCausalLM, gives the perplexity the run reported, and generates."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf.config import to_schema
+from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
+from rlhf.launch import run
+from tests.conftest import compose
+
+FAST = ["step.max_steps=30", "step.log_every_steps=5", "data.max_eval_samples=128", "logging.progress_bar=false"]
+
+
+def _reloaded_ppl(model_dir: Path, cfg) -> float:
+    """Perplexity of the saved model on the run's eval rows, computed without the framework's engine."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    _, eval_rows = load_step_data(cfg.data, "sft", DataReport())
+    ds = sft_dataset(eval_rows, tok, cfg.step.max_seq_len, cfg.step.loss_on, DataReport(), "eval")
+    batch = PadCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=IGNORE_INDEX)
+    return math.exp(loss.item())
+
+
+# LoRA adapts a frozen base; on a random base it learns far slower than full fine-tuning (loss
+# 6.1 -> 5.3 in 30 steps, ppl 513 -> 152 in 150), hence its looser bar.
+@pytest.mark.parametrize("variant,loss_ratio,ppl_ratio", [
+    pytest.param(["zero=0"], 0.7, 0.5, id="zero0"),
+    pytest.param(["zero=3"], 0.7, 0.5, id="zero3"),
+    pytest.param(["zero=2", "lora.rank=8", "lora.lr=1e-2", "model=tiny-opt"], 0.92, 0.7, id="lora-opt"),
+])
+def test_sft_learns_saves_and_reloads(tmp_path, variant, loss_ratio, ppl_ratio):
+    dict_cfg = compose([*FAST, *variant, f"run_dir={tmp_path}"])
+    final = run(dict_cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < loss_ratio * losses[0], losses
+    assert final["eval/ppl"] < ppl_ratio * final["eval/ppl_before"], final
+    for key in ("samples_per_s", "tokens_per_s", "tflops", "latency_s", "memory_gb", "lr"):
+        assert rows[1][key] > 0
+
+    model_dir = tmp_path / "model"
+    assert (model_dir / "config.json").exists() and list(model_dir.glob("*.safetensors"))
+    assert (model_dir / "tokenizer.json").exists() and (model_dir / "generation_config.json").exists()
+    cfg = to_schema(dict_cfg)
+    assert _reloaded_ppl(model_dir, cfg) == pytest.approx(final["eval/ppl"], rel=1e-3)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert not any("lora" in k for k in model.state_dict())
+    ids = torch.tensor([tok(" Human: sort d b a c Assistant:").input_ids])
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] > ids.shape[1]
+
+    for name in ("config.yaml", "ds_config.json", "command.txt", "run.json", "data_report.json"):
+        assert (tmp_path / name).exists(), name
+    ds_cfg = json.loads((tmp_path / "ds_config.json").read_text())["model"]
+    assert ds_cfg["zero_optimization"]["stage"] == cfg.zero.stage
