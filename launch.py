@@ -13,6 +13,8 @@ from omegaconf import DictConfig
 from rlhf.config import ConfigError, quote_numeric_groups, register_configs
 
 register_configs()
+# The command as the user typed it, for the run directory, before numeric group names are quoted.
+COMMAND = [sys.executable, *sys.argv]
 sys.argv[1:] = quote_numeric_groups(sys.argv[1:])
 
 
@@ -23,7 +25,7 @@ def main(cfg: DictConfig) -> None:
     from rlhf.launch import run
 
     try:
-        run(cfg, overrides=list(HydraConfig.get().overrides.task))
+        run(cfg, overrides=list(HydraConfig.get().overrides.task), command=COMMAND)
     except ConfigError as err:
         # A user error: one clear line, no traceback wall.
         print(f"config error: {err}", file=sys.stderr)

@@ -45,17 +45,17 @@ def versions() -> dict:
             "transformers": transformers.__version__, "platform": platform.platform()}
 
 
-def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
+def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command: list[str]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (run_dir / "command.txt").write_text(shlex.join([sys.executable, *sys.argv]) + "\n")
+    (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("RLHF_", "DS_", "OMP_", "CUDA_VISIBLE")) and not any(h in k for h in _SECRET_HINTS)}
     (run_dir / "run.json").write_text(json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
                                                   "env": env}, indent=2))
 
 
-def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] | None = None) -> dict:
     """Compose-time checks -> run directory -> the step. Raises ConfigError for user errors."""
     schema: Config = to_schema(cfg)  # every __post_init__ check, before any model or data loads
     if not cfg.run_dir:
@@ -73,7 +73,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
               f"accumulation x {schema.world_size} ranks = {schema.global_batch_size} rows per optimizer step")
         print(json.dumps(ds_config(schema), indent=2))
         return {}
-    write_run_dir(cfg, run_dir, overrides or [])
+    write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         return launch_ranks(schema, run_dir)
     from rlhf.worker import main
