@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -63,7 +63,7 @@ class ModelConfig:
     # Execute model code shipped with a hub checkpoint; off unless you trust the repository.
     trust_remote_code: bool = False
     # Override every dropout probability in the model config; null keeps the checkpoint's own.
-    dropout: Optional[float] = None
+    dropout: float | None = None
 
     def __post_init__(self) -> None:
         _choice("model.family", self.family, MODEL_FAMILIES)
@@ -199,7 +199,7 @@ class LoraConfig:
     # Train only the adapters (DeepSpeed-Chat's --only_optimize_lora); false also trains the base.
     only_optimize_lora: bool = True
     # Learning rate of the adapters; null uses optim.lr. DeepSpeed-Chat uses a separate, higher one.
-    lr: Optional[float] = None
+    lr: float | None = None
     # Merge adapters into the base weights when saving, so the output is a plain HF model.
     merge_on_save: bool = True
 
@@ -289,7 +289,7 @@ class StepConfig:
     # Micro batches accumulated per optimizer step (ignored when global_batch_size is set).
     gradient_accumulation_steps: int = 1
     # Rows per optimizer step over all ranks; when set, accumulation is derived from it.
-    global_batch_size: Optional[int] = None
+    global_batch_size: int | None = None
     # Rows per forward pass on one device during evaluation.
     eval_micro_batch_size_per_device: int = 32
     # Longest prompt + answer in tokens; longer rows are handled by data.on_bad_row.

@@ -18,8 +18,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                          LlamaConfig, OPTConfig, PreTrainedModel, PreTrainedTokenizerFast)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    OPTConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from rlhf.config import PROJECT_ROOT, LoraConfig, ModelConfig
 

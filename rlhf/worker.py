@@ -41,6 +41,20 @@ def init_distributed(cfg: Config) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
 
+def quiet_libraries() -> None:
+    """Keep the console for our own progress lines: no per-file load bars or info chatter."""
+    import logging
+
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -50,6 +64,7 @@ def seed_everything(seed: int) -> None:
 def main(cfg: Config) -> dict:
     from rlhf.runners import RUNNERS
 
+    quiet_libraries()
     init_distributed(cfg)
     seed_everything(cfg.seed)
     return RUNNERS[cfg.step.name](cfg)

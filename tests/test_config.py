@@ -120,3 +120,21 @@ def test_cli_user_error_is_one_line_without_traceback(tmp_path):
     assert "config error: step.global_batch_size=10" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "config.yaml").exists(), "nothing may be written before validation passes"
+
+
+SWEEP_FILES = sorted((ROOT / "sweeps").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.stem)
+def test_every_sweep_composes_and_sweeps_real_keys(path):
+    from omegaconf import OmegaConf
+
+    cfg = compose([f"sweep={path.stem}"])
+    to_schema(cfg)
+    params = OmegaConf.load(path).hydra.sweeper.params
+    assert params, f"{path.name} sweeps nothing"
+    for key in params:
+        node = cfg
+        for part in key.split("."):
+            assert part in node, f"{path.name} sweeps {key!r}, which the config does not have"
+            node = node[part]

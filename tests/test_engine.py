@@ -70,3 +70,29 @@ def test_fp16_allowed_on_cuda_only():
     assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0
     with pytest.raises(ConfigError, match="fp16"):
         to_schema(compose(["hardware.precision=fp16"]))
+
+
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_frozen_engine_runs_forward_without_gradients(zero):
+    import torch
+
+    from rlhf import models
+    from rlhf.engine import build_frozen_engine, loading_context
+    from rlhf.worker import init_distributed
+
+    cfg = to_schema(compose([f"zero={zero}"]))
+    init_distributed(cfg)
+    path = models.resolve_path(cfg.model)
+    tok = models.load_tokenizer(path)
+    reference = models.load_causal_lm(path, tok).eval()
+    with loading_context(cfg):
+        model = models.load_causal_lm(path, tok)
+    engine, ds = build_frozen_engine(model, cfg)
+    # No optimizer (under ZeRO-3 DeepSpeed keeps only its parameter-fetching helper in that slot).
+    assert not isinstance(engine.optimizer, torch.optim.Optimizer) and "gradient_clipping" not in ds
+    assert not any(p.requires_grad for p in engine.module.parameters())
+    if zero == "3":  # parameters live partitioned between forward passes
+        assert all(hasattr(p, "ds_id") for p in engine.module.parameters())
+    ids = torch.tensor([tok(" Human: sort d b a c Assistant:").input_ids])
+    with torch.no_grad():
+        assert torch.allclose(engine(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)

@@ -92,7 +92,7 @@ def blend(parts: list[Dataset], weights: list[float], seed: int, total: int | No
     counts = np.floor(probs * total).astype(int)
     counts[: total - counts.sum()] += 1  # hand out the rounding remainder
     picked = []
-    for part, k in zip(parts, counts):
+    for part, k in zip(parts, counts, strict=True):
         if len(part) == 0 or k == 0:
             continue
         # Without replacement up to the part's size; a weight asking for more repeats whole passes.
@@ -120,7 +120,7 @@ def load_step_data(cfg: DataConfig, step: str, report: DataReport) -> tuple[Data
     if cfg.max_train_samples > 0:
         total = min(total, cfg.max_train_samples)
     train, counts = blend(trains, [s.weight for s in cfg.sources], cfg.seed, total)
-    for src, k in zip(cfg.sources, counts):
+    for src, k in zip(cfg.sources, counts, strict=True):
         report.sources[src.path]["sampled"] = k
     eval_ds = concatenate_datasets(evals)
     if 0 < cfg.max_eval_samples < len(eval_ds):

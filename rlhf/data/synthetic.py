@@ -19,8 +19,8 @@ import json
 import random
 import re
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 LETTERS = string.ascii_lowercase
 NUM_LETTERS = 4
