@@ -35,10 +35,24 @@ def gather_state_dict(engine) -> dict[str, torch.Tensor] | None:
     return out if rank == 0 else None
 
 
-def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path | None:
-    """Write config, safetensors weights, tokenizer and generation config that from_pretrained loads."""
+def _fresh_like(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """An untrained CPU twin of ``module`` (causal LM or reward model), built from its config."""
     from transformers import AutoModelForCausalLM
 
+    from rlhf.models import RewardModel
+
+    if isinstance(module, RewardModel):
+        return RewardModel.from_config(module.config, dtype=dtype)
+    return AutoModelForCausalLM.from_config(module.config, dtype=dtype)
+
+
+def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path | None:
+    """Write config, safetensors weights and tokenizer that from_pretrained loads (rank 0 writes).
+
+    Causal LMs load with AutoModelForCausalLM, reward models with
+    AutoModelForSequenceClassification. LoRA adapters are merged into the base weights unless
+    ``merge_lora`` is false (then only the adapter is written, PEFT's format).
+    """
     state = gather_state_dict(engine)
     if state is None:
         if dist.is_initialized():
@@ -46,21 +60,18 @@ def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path
         return None
     module = engine.module
     out.mkdir(parents=True, exist_ok=True)
-    if hasattr(module, "peft_config"):
-        if merge_lora:
-            from peft import get_peft_model
+    if hasattr(module, "peft_config") and merge_lora:
+        from peft import get_peft_model
 
-            # Rebuild the wrapped model on CPU from its config, load the trained state, merge the
-            # adapters into the base weights: the output is a plain model, no PEFT needed to use it.
-            base_cfg = module.get_base_model().config
-            fresh = AutoModelForCausalLM.from_config(base_cfg, dtype=next(iter(state.values())).dtype)
-            peft_model = get_peft_model(fresh, module.peft_config["default"])
-            peft_model.load_state_dict(state, strict=True)
-            merged = peft_model.merge_and_unload()
-            merged.generation_config = module.get_base_model().generation_config
-            merged.save_pretrained(out)
-        else:
-            module.save_pretrained(out, state_dict=state)
+        # Rebuild the wrapped model on CPU, load the trained state, merge the adapters: the output
+        # is a plain model that needs no PEFT to use.
+        base = module.get_base_model()
+        fresh = get_peft_model(_fresh_like(base, next(iter(state.values())).dtype), module.peft_config["default"])
+        fresh.load_state_dict(state, strict=True)
+        merged = fresh.merge_and_unload()
+        if hasattr(base, "generation_config"):
+            merged.generation_config = base.generation_config
+        merged.save_pretrained(out, state_dict=merged.state_dict())
     else:
         module.save_pretrained(out, state_dict=state)
     tokenizer.save_pretrained(out)

@@ -325,9 +325,29 @@ class SFTStepConfig(StepConfig):
         _choice("step.loss_on", self.loss_on, ("answer", "all"))
 
 
+@dataclass
+class RewardStepConfig(StepConfig):
+    name: str = "reward"
+    # Where a sequence's score is read: the last real token (eos; default), or DeepSpeed-Chat's
+    # mean over the tokens from where chosen and rejected first differ.
+    score_at: str = "last"
+    # Coefficient of mean(chosen^2 + rejected^2): keeps scores near zero (unregularized they drift to
+    # about +10/-5, and PPO's reward clipping at +-5 then erases the signal); 0 turns it off.
+    score_regularizer: float = 0.0
+    # Rule check on the shipped synthetic task: answers scored per eval prompt (the right one and
+    # near misses); 0 turns it off. Skipped for data the rule does not know.
+    rule_check_answers: int = 6
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.score_at", self.score_at, ("last", "divergence"))
+        _positive("step.score_regularizer", self.score_regularizer, allow_zero=True)
+        _positive("step.rule_check_answers", self.rule_check_answers, allow_zero=True)
+
+
 # The split part each step trains on (DeepSpeed-Chat's data_split index).
 STEP_SPLIT_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
-STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig}
+STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig, "reward": RewardStepConfig}
 
 
 # --------------------------------------------------------------------------- launch & logging

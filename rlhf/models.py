@@ -172,16 +172,88 @@ def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dro
     return model
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
-    """Wrap ``model`` in PEFT LoRA adapters; a no-op when ``lora.rank`` is 0."""
+class RewardModel(torch.nn.Module):
+    """A causal-LM backbone with a scalar head: one score per token (values), pooled by the caller.
+
+    The backbone and head are registered under the attribute names of transformers'
+    ``*ForSequenceClassification`` (``<base_model_prefix>`` and ``score``), so this module's state
+    dict *is* that class's: ``save_pretrained`` writes a folder that
+    ``AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)`` loads and that gives
+    the same score at the last real token. The PPO critic is this class too.
+    """
+
+    def __init__(self, hf_model: PreTrainedModel):
+        super().__init__()
+        self.base_model_prefix = hf_model.base_model_prefix
+        self.add_module(self.base_model_prefix, hf_model.base_model)
+        self.add_module("score", hf_model.score)
+        self.config = hf_model.config
+        # Held outside the module tree (no duplicate parameters); used for save_pretrained only.
+        object.__setattr__(self, "hf_model", hf_model)
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype = torch.float32) -> RewardModel:
+        from transformers import AutoModelForSequenceClassification
+
+        return cls(AutoModelForSequenceClassification.from_config(config, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # Positions from the mask, so a left-padded row scores as it would unpadded.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
+                                                       position_ids=position_ids).last_hidden_state
+        return self.score(hidden).squeeze(-1).float()
+
+    def save_pretrained(self, out, state_dict=None, **kwargs) -> None:
+        self.hf_model.save_pretrained(out, state_dict=state_dict, **kwargs)
+
+
+def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, dropout: float | None = None,
+                      trust_remote_code: bool = False) -> RewardModel:
+    """A reward model (or PPO critic) from a reward-model folder or from any causal-LM checkpoint.
+
+    From a causal LM (an SFT output, a hub id) the backbone is loaded and the scalar head starts
+    random; from a saved reward model both come back.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
+    if dropout is not None:
+        for key in _DROPOUT_KEYS:
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    try:
+        hf_model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                      trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        raise ValueError(f"{path}: transformers has no sequence-classification class for model type "
+                         f"{config.model_type!r}, which reward models are built on ({err})") from None
+    if len(tokenizer) > hf_model.get_input_embeddings().num_embeddings:
+        hf_model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    hf_model.config.pad_token_id = tokenizer.pad_token_id
+    return RewardModel(hf_model)
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """Wrap ``model`` in PEFT LoRA adapters; a no-op when ``lora.rank`` is 0.
+
+    A reward model's fresh scalar head is trained in full (``modules_to_save``): with adapters
+    only, it would stay at its random initialization.
+    """
     if cfg.rank == 0:
         return model
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    is_reward = isinstance(model, RewardModel)
     targets = cfg.target_modules[0] if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    if is_reward and targets == "all-linear":
+        # PEFT's all-linear skips a causal LM's output layer by name; here the head is `score`.
+        targets = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                          if isinstance(mod, torch.nn.Linear) and not name.startswith("score")})
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                              task_type="CAUSAL_LM")
+                              task_type=None if is_reward else "CAUSAL_LM",
+                              modules_to_save=["score"] if is_reward else None)
     model = get_peft_model(model, peft_cfg)
     if not cfg.only_optimize_lora:
         for p in model.parameters():

@@ -134,3 +134,47 @@ def test_collator_pads_right():
     assert batch["input_ids"].tolist() == [[1, 2, 3], [1, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 2, 3], [1, -100, -100]]
+
+
+def _pairs(*triples):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [t[0] for t in triples], "chosen": [t[1] for t in triples],
+                              "rejected": [t[2] for t in triples], "source": ["p.jsonl"] * len(triples),
+                              "row": list(range(len(triples)))})
+
+
+def test_pairs_drop_and_count_bad_rows():
+    from rlhf.data.tokenize import pair_dataset
+
+    report = DataReport()
+    ds = pair_dataset(_pairs(("a", "b c", "c b"), ("a", "b", " b "), ("a", "", "b"), ("a", "b", "c " * 20),
+                             ("", "b", "c")), _Tok(), 8, report, "train")
+    assert len(ds) == 1
+    # The whitespace tokenizer maps words by length, so both sides read [bos, a, b, c, eos].
+    assert ds[0]["chosen_ids"] == ds[0]["rejected_ids"] == [1, 11, 11, 11, 2]
+    assert report.dropped["train"] == {"chosen equals rejected": 1, "empty answer": 1,
+                                       "longer than step.max_seq_len=8": 1, "empty prompt": 1}
+
+
+def test_pair_bad_row_error_names_the_row():
+    from rlhf.data.tokenize import pair_dataset
+
+    with pytest.raises(BadRowError, match=r"source 'p.jsonl', row 0, column 'rejected': chosen equals rejected"):
+        pair_dataset(_pairs(("a", "b", "b")), _Tok(), 8, DataReport(), "train", on_bad_row="error")
+
+
+def test_pair_collator_lines_up_chosen_then_rejected():
+    from rlhf.data.tokenize import PairCollator
+
+    batch = PairCollator(0)([{"chosen_ids": [1, 5, 2], "rejected_ids": [1, 6, 7, 2]}])
+    assert batch["input_ids"].tolist() == [[1, 5, 2, 0], [1, 6, 7, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_candidate_answers_hold_one_right_answer():
+    import random
+
+    cands = synthetic.candidate_answers(" Human: sort d b a c Assistant:", 6, random.Random(0))
+    assert len(cands) == 6 and [a for a, s in cands if s == 1.0] == [" a b c d"]
+    assert all(synthetic.rule_score(" Human: sort d b a c Assistant:", a) == s for a, s in cands)

@@ -116,6 +116,25 @@ def _number_near_miss(rng: random.Random, right: int) -> int:
             return out
 
 
+def candidate_answers(prompt: str, k: int, rng: random.Random) -> list[tuple[str, float]]:
+    """The right answer and up to k-1 distinct near misses for ``prompt``, each with its rule score."""
+    parsed = parse_prompt(prompt)
+    if parsed is None:
+        raise ValueError(f"not a prompt of the synthetic tasks: {prompt!r}")
+    task, args = parsed
+    right = ANSWERS[task](args)
+    out = {" " + " ".join(right): 1.0}
+    for _ in range(20 * k):  # some tasks have few distinct near misses; stop trying eventually
+        if len(out) >= k:
+            break
+        if task == "add":
+            wrong = [str(_number_near_miss(rng, int(right[0])))]
+        else:
+            wrong = _letter_near_miss(rng, args, right)
+        out.setdefault(" " + " ".join(wrong), 0.0)
+    return list(out.items())
+
+
 # ------------------------------------------------------------------------------------ tables
 def generate(task: str, n_train: int, n_eval: int, seed: int) -> dict[str, list[dict]]:
     """Rows for one task; train and eval prompts never share an input."""

@@ -71,3 +71,62 @@ class PadCollator:
             mask[i, :n] = 1
             labels[i, :n] = torch.tensor(b["labels"])
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pair_dataset(rows: Dataset, tokenizer, max_seq_len: int, report: DataReport, split: str,
+                 on_bad_row: str = "drop") -> Dataset:
+    """chosen_ids / rejected_ids (prompt + answer + eos) for the pairwise reward loss.
+
+    Documented rule (data.on_bad_row=drop, the default): a pair whose chosen equals its rejected
+    (after trimming white space) teaches nothing and is dropped; so are empty prompts or answers
+    and pairs where either side is longer than step.max_seq_len. Each drop is counted by reason
+    in data_report.json.
+    """
+    chosen_ids, rejected_ids = [], []
+    for row in rows:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            _bad(report, split, on_bad_row, row, "empty prompt", "prompt")
+            continue
+        answers = {}
+        for column in ("chosen", "rejected"):
+            value = row[column]
+            if not isinstance(value, str) or not value.strip():
+                _bad(report, split, on_bad_row, row, "empty answer", column)
+                break
+            answers[column] = value
+        if len(answers) < 2:
+            continue
+        if answers["chosen"].strip() == answers["rejected"].strip():
+            _bad(report, split, on_bad_row, row, "chosen equals rejected", "rejected")
+            continue
+        p = tokenizer(prompt).input_ids
+        c = p + tokenizer(answers["chosen"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        r = p + tokenizer(answers["rejected"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        if max(len(c), len(r)) > max_seq_len:
+            _bad(report, split, on_bad_row, row, f"longer than step.max_seq_len={max_seq_len}",
+                 "chosen" if len(c) >= len(r) else "rejected")
+            continue
+        chosen_ids.append(c)
+        rejected_ids.append(r)
+    if not chosen_ids:
+        raise BadRowError(f"no usable {split} pairs left after dropping bad ones: {report.dropped.get(split)}")
+    return Dataset.from_dict({"chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+
+
+class PairCollator:
+    """One batch of 2B rows: the B chosen, then the B rejected, right-padded to a common width so
+    that the prompts line up position by position (the divergence loss compares them there)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[dict]) -> dict[str, torch.Tensor]:
+        seqs = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        return {"input_ids": ids, "attention_mask": mask}

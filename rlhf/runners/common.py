@@ -1,0 +1,84 @@
+"""Pieces every runner uses the same way: loaders, step plans, throughput windows, the logger.
+
+Plain functions and one small class, no base runner: each runner still reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from rlhf.config import Config
+from rlhf.logging import MetricsLogger, peak_memory_gb, train_flops
+
+
+def train_loader(ds, cfg: Config, rank: int, world: int, collate) -> tuple[DataLoader, DistributedSampler]:
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(ds, batch_size=cfg.step.micro_batch_size_per_device, sampler=sampler, collate_fn=collate,
+                        drop_last=True)
+    return loader, sampler
+
+
+def eval_loader(ds, cfg: Config, rank: int, world: int, collate) -> DataLoader:
+    # DistributedSampler pads ranks to equal length: under ZeRO-3 every rank must run as many forwards.
+    return DataLoader(ds, batch_size=cfg.step.eval_micro_batch_size_per_device, collate_fn=collate,
+                      sampler=DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
+
+
+def plan_steps(cfg: Config, micro_batches_per_epoch: int, rows: int) -> int:
+    """Optimizer steps of the run: all epochs, capped by step.max_steps."""
+    steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ValueError(f"{rows} rows make no full optimizer step of {cfg.global_batch_size} rows "
+                         "(lower step.micro_batch_size_per_device or the accumulation)")
+    total = steps_per_epoch * cfg.step.epochs
+    return min(total, cfg.step.max_steps) if cfg.step.max_steps > 0 else total
+
+
+def open_logger(cfg: Config, rank: int) -> MetricsLogger:
+    wandb_cfg = {"project": cfg.logging.wandb_project, "config": asdict(cfg)} if cfg.logging.wandb else None
+    return MetricsLogger(cfg.run_dir, enabled=rank == 0, wandb_cfg=wandb_cfg)
+
+
+class Throughput:
+    """Counts micro batches, real and padded tokens between two log lines, and turns them into
+    DeepSpeed-Chat's figures: samples/s, tokens/s, TFLOPs per device, step latency, peak memory."""
+
+    def __init__(self, cfg: Config, n_params: int, world: int):
+        self.cfg, self.n_params, self.world = cfg, n_params, world
+        self.reset()
+
+    def reset(self) -> None:
+        self.micro, self.tokens, self.padded, self.seq_len = 0, 0, 0, 0
+        self.start = time.perf_counter()
+
+    def add(self, attention_mask) -> None:
+        self.micro += 1
+        self.tokens += int(attention_mask.sum())
+        self.padded += attention_mask.numel()
+        self.seq_len = attention_mask.shape[-1]
+
+    def summary(self, rows_per_step: int) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        steps = self.micro / self.cfg.gradient_accumulation_steps
+        flops = train_flops(self.n_params, self.cfg.model.num_layers, self.cfg.model.hidden_size,
+                            self.padded * self.world, self.seq_len, self.cfg.step.gradient_checkpointing)
+        out = {"samples_per_s": rows_per_step * steps / elapsed, "tokens_per_s": self.tokens * self.world / elapsed,
+               "tflops": flops / elapsed / 1e12 / self.world, "latency_s": elapsed / max(steps, 1e-9),
+               "memory_gb": peak_memory_gb(self.cfg.hardware.accelerator)}
+        self.reset()
+        return out
+
+
+def count_params(module) -> int:
+    # Under ZeRO-3 a parameter's local tensor is a shard; ds_numel is its full size.
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+
+
+def finite_or_raise(value: float, what: str, step: int) -> float:
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{what} is {value} at optimizer step {step}")
+    return value

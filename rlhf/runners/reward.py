@@ -1,0 +1,207 @@
+"""Step 2, reward model: setup -> loop -> save.
+
+A causal-LM backbone (any checkpoint, an SFT output too) with a scalar head, trained with the
+pairwise loss -log sigmoid(chosen - rejected) on the reward part of the blend, scored at the last
+real token (or DeepSpeed-Chat's mean over diverging tokens), optionally with a chosen^2 +
+rejected^2 regularizer. Evaluates accuracy, mean chosen / rejected scores and margin before
+training, every ``step.eval_every_steps`` and after each epoch; on the shipped synthetic task also
+how often the model agrees with the rule. Saves a folder that
+``AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)`` loads.
+
+    python launch.py step=reward model=tiny-opt
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from rlhf import engine as engine_factory
+from rlhf import losses, models
+from rlhf.checkpoint import save_hf_model
+from rlhf.config import Config
+from rlhf.data import synthetic
+from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.tokenize import PairCollator, pair_dataset
+from rlhf.runners.common import (
+    Throughput,
+    count_params,
+    eval_loader,
+    finite_or_raise,
+    open_logger,
+    plan_steps,
+    train_loader,
+)
+
+
+def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss before regularization, chosen scores, rejected scores) of a PairCollator batch."""
+    values = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    half = values.shape[0] // 2
+    scores = losses.gather_at(values, losses.end_indices(batch["attention_mask"]))
+    chosen, rejected = scores[:half], scores[half:]
+    if score_at == "last":
+        return losses.pairwise_loss(chosen, rejected), chosen, rejected
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    span = losses.divergence_mask(ids[:half], ids[half:], mask[:half], mask[half:])
+    return losses.pairwise_loss_divergence(values[:half], values[half:], span), chosen, rejected
+
+
+@torch.no_grad()
+def evaluate(engine, loader, score_at: str) -> dict[str, float]:
+    engine.eval()
+    sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # pairs, correct, chosen, rejected, loss
+    for batch in loader:
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        loss, chosen, rejected = pair_scores(engine, batch, score_at)
+        sums += torch.stack([torch.tensor(float(len(chosen)), device=sums.device), (chosen > rejected).sum().double(),
+                             chosen.sum().double(), rejected.sum().double(), loss.double() * len(chosen)])
+    dist.all_reduce(sums)
+    engine.train()
+    n = sums[0].clamp(min=1)
+    return {"eval/acc": (sums[1] / n).item(), "eval/chosen_score": (sums[2] / n).item(),
+            "eval/rejected_score": (sums[3] / n).item(), "eval/margin": ((sums[2] - sums[3]) / n).item(),
+            "eval/loss": (sums[4] / n).item()}
+
+
+@torch.no_grad()
+def rule_check(engine, tokenizer, prompts: list[str], answers_per_prompt: int, seed: int) -> dict[str, float]:
+    """Score the right answer and near misses of each prompt; compare the ranking with the rule's.
+
+    ``rule_agreement``: of all (right, wrong) answer pairs of the same prompt, the fraction the
+    model orders right; ``rule_auc``: how well one score threshold separates right from wrong
+    across prompts -- what PPO needs, since it compares rewards of different prompts.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = random.Random(seed)
+    cands = [(p, synthetic.candidate_answers(p, answers_per_prompt, rng)) for p in prompts]
+    per_rank = -(-len(cands) // world)
+    mine = [cands[i % len(cands)] for i in range(rank * per_rank, (rank + 1) * per_rank)]  # equal work per rank
+    engine.eval()
+    scores, labels, agree, pairs = [], [], 0, 0
+    for prompt, answers in mine:
+        seqs = [tokenizer(prompt).input_ids + tokenizer(a, add_special_tokens=False).input_ids
+                + [tokenizer.eos_token_id] for a, _ in answers]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+        values = engine(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device))
+        s = losses.gather_at(values, losses.end_indices(mask.to(engine.device))).cpu()
+        y = torch.tensor([label for _, label in answers])
+        diff = s[y == 1].unsqueeze(1) - s[y == 0].unsqueeze(0)
+        agree += int((diff > 0).sum())
+        pairs += diff.numel()
+        scores.append(s)
+        labels.append(y)
+    engine.train()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (torch.cat(scores), torch.cat(labels), agree, pairs))
+    all_scores = torch.cat([g[0] for g in gathered])
+    all_labels = torch.cat([g[1] for g in gathered])
+    total_agree, total_pairs = sum(g[2] for g in gathered), sum(g[3] for g in gathered)
+    return {"eval/rule_agreement": total_agree / max(total_pairs, 1),
+            "eval/rule_auc": losses.auc(all_scores, all_labels)}
+
+
+def run(cfg: Config) -> dict:
+    # ------------------------------------------------------------------------------- setup
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(cfg.run_dir)
+    step_cfg = cfg.step
+    model_path = models.resolve_path(cfg.model)
+    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
+
+    report = DataReport()
+    train_rows, eval_rows = load_step_data(cfg.data, "reward", report)
+    train_ds = pair_dataset(train_rows, tokenizer, step_cfg.max_seq_len, report, "train", cfg.data.on_bad_row)
+    eval_ds = pair_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, report, "eval", cfg.data.on_bad_row)
+    if rank == 0:
+        (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    collate = PairCollator(tokenizer.pad_token_id)
+    loader, sampler = train_loader(train_ds, cfg, rank, world, collate)
+    evaluation = eval_loader(eval_ds, cfg, rank, world, collate)
+    # The rule check runs only where the rule knows every eval prompt (the shipped tasks).
+    rule_prompts = list(dict.fromkeys(eval_rows["prompt"]))
+    if step_cfg.rule_check_answers == 0 or any(synthetic.parse_prompt(p) is None for p in rule_prompts):
+        rule_prompts = []
+    total_steps = plan_steps(cfg, len(loader), len(train_ds))
+
+    with engine_factory.loading_context(cfg):
+        model = models.load_reward_model(model_path, tokenizer, engine_factory.model_dtype(cfg), cfg.model.dropout,
+                                         cfg.model.trust_remote_code)
+    engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
+    n_params = count_params(engine.module)
+    if rank == 0:
+        (run_dir / "ds_config.json").write_text(json.dumps({"reward": ds_cfg}, indent=2))
+        print(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
+              f"{cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
+    logger = open_logger(cfg, rank)
+
+    def full_eval(step: int, epoch: int) -> dict[str, float]:
+        metrics = evaluate(engine, evaluation, step_cfg.score_at)
+        if rule_prompts:
+            metrics.update(rule_check(engine, tokenizer, rule_prompts, step_cfg.rule_check_answers, cfg.data.seed))
+        logger.log({**metrics, "epoch": epoch}, step=step)
+        if rank == 0:
+            print(f"[reward] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
+        return metrics
+
+    # -------------------------------------------------------------------------------- loop
+    first = full_eval(0, 0)
+    last = first
+    step, last_eval_step = 0, 0
+    window = {"loss": 0.0, "acc": 0.0, "chosen": 0.0, "rejected": 0.0}
+    meter = Throughput(cfg, n_params, world)
+    bar = tqdm(total=total_steps, desc="reward", disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(step_cfg.epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            loss, chosen, rejected = pair_scores(engine, batch, step_cfg.score_at)
+            if step_cfg.score_regularizer:
+                loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            meter.add(batch["attention_mask"])
+            window["loss"] += finite_or_raise(loss.item(), "reward loss", step)
+            window["acc"] += losses.pairwise_accuracy(chosen, rejected).item()
+            window["chosen"] += chosen.mean().item()
+            window["rejected"] += rejected.mean().item()
+            if not boundary:
+                continue
+            step += 1
+            bar.update(1)
+            if step % step_cfg.log_every_steps == 0 or step == total_steps:
+                n = meter.micro
+                metrics = {k: v / n for k, v in window.items()}
+                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(cfg.global_batch_size))
+                logger.log(metrics, step=step)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
+                window = dict.fromkeys(window, 0.0)
+            if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
+                last, last_eval_step = full_eval(step, epoch), step
+            if step >= total_steps:
+                break
+        if last_eval_step != step:
+            last, last_eval_step = full_eval(step, epoch + 1), step
+        if step >= total_steps:
+            break
+    bar.close()
+
+    # -------------------------------------------------------------------------------- save
+    final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
+    if step_cfg.save_model:
+        save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
+        final["model_dir"] = str(run_dir / "model")
+    if rank == 0:
+        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
+    logger.close()
+    return final

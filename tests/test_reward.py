@@ -1,0 +1,91 @@
+"""Tiny reward-model runs through real DeepSpeed engines: held-out accuracy rises from chance to
+>= 0.9, and the saved folder gives identical scores through our loader and through
+AutoModelForSequenceClassification."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from rlhf import losses
+from rlhf.config import to_schema
+from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.tokenize import PairCollator, pair_dataset
+from rlhf.launch import run
+from rlhf.models import load_reward_model
+from tests.conftest import compose
+
+FAST = ["step=reward", "model=tiny-opt", "data.max_eval_samples=256", "logging.progress_bar=false",
+        "step.rule_check_answers=4"]
+
+
+def _eval_batch(cfg, tok):
+    _, rows = load_step_data(cfg.data, "reward", DataReport())
+    ds = pair_dataset(rows, tok, cfg.step.max_seq_len, DataReport(), "eval")
+    return PairCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])
+
+
+def test_reward_model_learns_the_task_and_reloads_identically(tmp_path):
+    dict_cfg = compose([*FAST, "step.max_steps=250", "step.eval_every_steps=0", f"run_dir={tmp_path}"])
+    final = run(dict_cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [r for r in rows if "eval/acc" in r]
+    assert 0.3 < evals[0]["eval/acc"] < 0.7, "an untrained reward model should be near chance"
+    assert evals[-1]["eval/acc"] >= 0.9, evals[-1]
+    assert evals[-1]["eval/rule_agreement"] > 0.85 and evals[-1]["eval/rule_auc"] > 0.8
+    assert evals[-1]["eval/margin"] > evals[0]["eval/margin"] + 1.0
+    train_losses = [r["loss"] for r in rows if "loss" in r]
+    assert train_losses[-1] < 0.6 * train_losses[0]
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["eval/acc"] == final["eval/acc"]
+
+    # Reload two ways; both must reproduce the run's own held-out figures.
+    model_dir = tmp_path / "model"
+    cfg = to_schema(dict_cfg)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch = _eval_batch(cfg, tok)
+    ours = load_reward_model(str(model_dir), tok).eval()
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1).eval()
+    with torch.no_grad():
+        values = ours(batch["input_ids"], batch["attention_mask"])
+        scores = losses.gather_at(values, losses.end_indices(batch["attention_mask"]))
+        hf_scores = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    assert torch.allclose(scores, hf_scores, atol=1e-5)
+    half = len(scores) // 2
+    assert (scores[:half] > scores[half:]).float().mean().item() == pytest.approx(final["eval/acc"], abs=1e-6)
+    assert scores[:half].mean().item() == pytest.approx(final["eval/chosen_score"], abs=1e-4)
+
+
+def test_scores_do_not_depend_on_padding_side():
+    """Left padding (PPO rollouts) and right padding (pairs) give the score the row has unpadded."""
+    from rlhf.models import load_tokenizer, resolve_path
+
+    cfg = to_schema(compose(FAST))
+    path = resolve_path(cfg.model)
+    tok = load_tokenizer(path)
+    model = load_reward_model(path, tok).eval()
+    a = tok(" Human: sort d b a c Assistant: a b c d").input_ids + [tok.eos_token_id]
+    b = tok(" Human: sort x y Assistant: x y").input_ids + [tok.eos_token_id]
+    width, pad = len(a), tok.pad_token_id
+    right = torch.tensor([a, b + [pad] * (width - len(b))])
+    right_mask = torch.tensor([[1] * width, [1] * len(b) + [0] * (width - len(b))])
+    left = torch.tensor([a, [pad] * (width - len(b)) + b])
+    left_mask = torch.tensor([[1] * width, [0] * (width - len(b)) + [1] * len(b)])
+    with torch.no_grad():
+        r = losses.gather_at(model(right, right_mask), losses.end_indices(right_mask))
+        ll = losses.gather_at(model(left, left_mask), losses.end_indices(left_mask))
+        alone = model(torch.tensor([b]), torch.ones(1, len(b), dtype=torch.long))[0, -1]
+    assert torch.allclose(r, ll, atol=1e-5) and r[1].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param(["step.score_at=divergence", "zero=3"], id="divergence-zero3"),
+    pytest.param(["lora.rank=8", "lora.lr=1e-2", "zero=2"], id="lora-zero2"),
+])
+def test_reward_variants_learn_and_save(tmp_path, variant):
+    final = run(compose([*FAST, *variant, "step.max_steps=60", "step.eval_every_steps=0", f"run_dir={tmp_path}"]))
+    assert final["eval/acc"] > final["eval/acc_before"] + 0.1, final
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model", num_labels=1)
+    assert not any("lora" in k for k in hf.state_dict())
