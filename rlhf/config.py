@@ -345,9 +345,128 @@ class RewardStepConfig(StepConfig):
         _positive("step.rule_check_answers", self.rule_check_answers, allow_zero=True)
 
 
+@dataclass
+class PPOStepConfig(StepConfig):
+    name: str = "ppo"
+    # Prompts each device generates answers for per PPO step (the rollout batch).
+    rollout_batch_size_per_device: int = 64
+    # Answers sampled per prompt (> 1 for group-normalized advantages).
+    samples_per_prompt: int = 1
+    # Passes of PPO updates over each rollout batch.
+    ppo_epochs: int = 1
+    # Longest prompt in tokens; longer prompts are dropped and counted.
+    max_prompt_len: int = 32
+    # Longest answer in tokens (generation stops at eos or here).
+    max_new_tokens: int = 8
+    # Sample (true) or decode greedily (false) during rollouts.
+    do_sample: bool = True
+    # Sampling temperature; log-probs are computed on logits / temperature to match the sampler.
+    temperature: float = 0.7
+    # Nucleus sampling mass; 1.0 is off.
+    top_p: float = 1.0
+    # Top-k sampling; 0 is off.
+    top_k: int = 0
+    # KL penalty coefficient against the reference model (initial value when adaptive).
+    kl_coef: float = 0.05
+    # Per-token KL estimator: k1, k2 or k3.
+    kl_estimator: str = "k1"
+    # Target KL for the adaptive controller; null keeps kl_coef fixed.
+    kl_target: float | None = None
+    # Adaptive controller horizon, in rollouts.
+    kl_horizon: int = 10000
+    # Clip the sequence score to +-this before it becomes a reward; 0 turns clipping off.
+    reward_clip: float = 5.0
+    # Normalize scores by running mean and std before clipping.
+    reward_normalize: bool = False
+    # Weight of the reward model's score in the reward (0: no reward model is loaded).
+    reward_model_weight: float = 1.0
+    # A reward function from rlhf.rewards.REWARD_FNS added to the score (null: none), e.g. rule.
+    reward_fn: str | None = None
+    # Weight of reward_fn's value.
+    reward_fn_weight: float = 1.0
+    # Advantage estimator from rlhf.runners.ppo.ADVANTAGES: gae or grpo.
+    advantage_estimator: str = "gae"
+    # GAE discount.
+    gamma: float = 1.0
+    # GAE lambda.
+    lam: float = 0.95
+    # Whiten advantages over the rollout batch.
+    whiten_advantages: bool = True
+    # PPO policy clip range.
+    clip_range: float = 0.2
+    # Value clip range.
+    value_clip_range: float = 0.2
+    # Weight of the value loss (the critic has its own optimizer; this scales its loss).
+    vf_coef: float = 1.0
+    # Entropy bonus coefficient; 0 is off.
+    entropy_coef: float = 0.0
+    # Weight of the pretraining (ptx) LM loss on the SFT part of the blend; 0 is off.
+    ptx_coef: float = 0.0
+    # Critic learning rate (the actor's is optim.lr).
+    critic_lr: float = 5e-4
+    # Decay of an exponential moving average of the actor, saved as model_ema; 0 is off.
+    ema_decay: float = 0.0
+    # Keep the frozen reference model's parameters in host memory (ZeRO-3 offload).
+    offload_reference: bool = False
+    # Keep the frozen reward model's parameters in host memory (ZeRO-3 offload).
+    offload_reward: bool = False
+    # Held-out prompts scored by greedy decoding (with the rule, where it applies) at each eval; 0: off.
+    eval_prompts: int = 256
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",
+                    "max_new_tokens", "temperature", "top_p", "kl_horizon", "critic_lr"):
+            _positive(f"step.{key}", getattr(self, key))
+        for key in ("kl_coef", "reward_clip", "reward_model_weight", "reward_fn_weight", "gamma", "lam",
+                    "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
+                    "top_k", "eval_prompts"):
+            _positive(f"step.{key}", getattr(self, key), allow_zero=True)
+        _choice("step.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _choice("step.advantage_estimator", self.advantage_estimator, ("gae", "grpo"))
+        if self.reward_fn is not None:
+            _choice("step.reward_fn", self.reward_fn, ("rule",))
+        if self.reward_model_weight == 0 and self.reward_fn is None:
+            raise ConfigError("step.reward_model_weight=0 and no step.reward_fn: PPO would have no reward")
+        if self.advantage_estimator == "grpo" and self.samples_per_prompt < 2:
+            raise ConfigError("step.advantage_estimator=grpo needs step.samples_per_prompt >= 2")
+        if self.rollout_batch_size_per_device % (self.micro_batch_size_per_device * self.gradient_accumulation_steps):
+            raise ConfigError(
+                f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not divisible by "
+                f"step.micro_batch_size_per_device ({self.micro_batch_size_per_device}) x "
+                f"step.gradient_accumulation_steps ({self.gradient_accumulation_steps})")
+        if self.global_batch_size is not None:
+            raise ConfigError("step.global_batch_size is not used by PPO; set step.rollout_batch_size_per_device, "
+                              "step.micro_batch_size_per_device and step.gradient_accumulation_steps")
+        if self.ema_decay >= 1.0:
+            raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
+
+
 # The split part each step trains on (DeepSpeed-Chat's data_split index).
 STEP_SPLIT_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
-STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig, "reward": RewardStepConfig}
+STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig, "reward": RewardStepConfig,
+                                              "ppo": PPOStepConfig}
+
+
+# ------------------------------------------------------------------------------------- roles
+@dataclass
+class RoleConfig:
+    # Checkpoint folder or hub id this role starts from; empty: the chain's output, else the model group.
+    path: str = ""
+
+
+@dataclass
+class PipelineConfig:
+    # Steps run in order, each step's output feeding the next; empty: run the one step in `step`.
+    steps: list[str] = field(default_factory=list)
+    # Extra overrides for each step of the chain (on top of the command line's).
+    sft: list[str] = field(default_factory=list)
+    reward: list[str] = field(default_factory=list)
+    ppo: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in self.steps:
+            _choice("pipeline.steps[]", name, tuple(STEP_SPLIT_INDEX))
 
 
 # --------------------------------------------------------------------------- launch & logging
@@ -379,6 +498,12 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # PPO roles: actor (and its frozen reference) from SFT, critic (and frozen reward) from the reward model.
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    # The reward model; empty: critic.path.
+    reward: RoleConfig = field(default_factory=RoleConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # Seed of model-independent randomness in training (sampling order, dropout).
     seed: int = 42
     # Where this run writes everything; launch.py fills in Hydra's output directory when empty.
@@ -396,6 +521,7 @@ class Config:
 
     @property
     def global_batch_size(self) -> int:
+        """Rows per optimizer step over all ranks (sequences for SFT, pairs for reward, rollouts for PPO)."""
         return self.step.micro_batch_size_per_device * self.gradient_accumulation_steps * self.world_size
 
     def __post_init__(self) -> None:

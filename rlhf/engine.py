@@ -25,16 +25,22 @@ from rlhf.models import DTYPES, apply_lora, is_lora_param
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
-def zero_block(zero: ZeroConfig, trainable: bool = True) -> dict[str, Any]:
-    """DeepSpeed's zero_optimization block; frozen models keep only what stage 3 needs."""
+def zero_block(zero: ZeroConfig, trainable: bool = True, offload: bool = False) -> dict[str, Any]:
+    """DeepSpeed's zero_optimization block; frozen models keep only what stage 3 needs.
+
+    ``offload`` (frozen models only) keeps their parameters in host memory under ZeRO-3, as
+    DeepSpeed-Chat's --offload_reference_model does, whatever the training stage.
+    """
     if not trainable:
         # A frozen model has no gradients or optimizer states: only parameter partitioning (and
         # its offload) can save memory, so anything below stage 3 is plain inference.
-        if zero.stage != 3:
+        if zero.stage != 3 and not offload:
             return {"stage": 0}
         block = {"stage": 3, "stage3_param_persistence_threshold": zero.stage3_param_persistence_threshold,
                  "stage3_prefetch_bucket_size": zero.stage3_prefetch_bucket_size}
-        if zero.offload_param.device != "none":
+        if offload:
+            block["offload_param"] = {"device": "cpu", "pin_memory": zero.offload_param.pin_memory}
+        elif zero.offload_param.device != "none":
             block["offload_param"] = {"device": zero.offload_param.device, "pin_memory": zero.offload_param.pin_memory}
         return block
     block: dict[str, Any] = {"stage": zero.stage}
@@ -56,7 +62,7 @@ def zero_block(zero: ZeroConfig, trainable: bool = True) -> dict[str, Any]:
     return block
 
 
-def ds_config(cfg: Config, trainable: bool = True) -> dict[str, Any]:
+def ds_config(cfg: Config, trainable: bool = True, offload: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON for one role of the run."""
     micro = cfg.step.micro_batch_size_per_device
     accumulation = cfg.gradient_accumulation_steps
@@ -65,7 +71,7 @@ def ds_config(cfg: Config, trainable: bool = True) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": micro * accumulation * cfg.world_size,
-        "zero_optimization": zero_block(cfg.zero, trainable),
+        "zero_optimization": zero_block(cfg.zero, trainable, offload),
         "bf16": {"enabled": precision == "bf16"},
         # Dynamic loss scaling (loss_scale 0) with DeepSpeed-Chat's window.
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "loss_scale_window": 100},
@@ -101,44 +107,51 @@ def loading_context(cfg: Config):
         del live
 
 
-def param_groups(model: torch.nn.Module, cfg: Config) -> list[dict[str, Any]]:
+def param_groups(model: torch.nn.Module, cfg: Config, lr: float | None = None) -> list[dict[str, Any]]:
     """Weight decay on matrices only (not biases or norms); LoRA adapters at their own rate."""
+    base_lr = cfg.optim.lr if lr is None else lr
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         no_decay = p.ndim < 2 or name.endswith(".bias") or "norm" in name.lower()
         groups.setdefault((no_decay, is_lora_param(name)), []).append(p)
-    lora_lr = cfg.lora.lr if cfg.lora.lr is not None else cfg.optim.lr
+    lora_lr = cfg.lora.lr if cfg.lora.lr is not None else base_lr
     return [{"params": ps, "weight_decay": 0.0 if no_decay else cfg.optim.weight_decay,
-             "lr": lora_lr if lora else cfg.optim.lr}
+             "lr": lora_lr if lora else base_lr}
             for (no_decay, lora), ps in sorted(groups.items())]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg)
+def build_optimizer(model: torch.nn.Module, cfg: Config, lr: float | None = None) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg, lr)
     if not groups:
         raise ValueError("the model has no trainable parameters (check lora.only_optimize_lora and lora.target_modules)")
     betas = tuple(cfg.optim.betas)
     if cfg.zero.offload_optimizer.device != "none":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=cfg.optim.lr, betas=betas, eps=cfg.optim.eps, adamw_mode=True)
+        return DeepSpeedCPUAdam(groups, lr=groups[0]["lr"], betas=betas, eps=cfg.optim.eps, adamw_mode=True)
     # fused kernels exist on CUDA only; on CPU the foreach implementation is the fast one.
     fused = cfg.hardware.accelerator == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=betas, eps=cfg.optim.eps, fused=fused,
+    return torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=betas, eps=cfg.optim.eps, fused=fused,
                              foreach=None if fused else True)
 
 
-def build_train_engine(model: torch.nn.Module, cfg: Config, total_steps: int):
-    """LoRA + checkpointing + optimizer + schedule + deepspeed.initialize -> (engine, config dict)."""
-    model = apply_lora(model, cfg.lora)
+def build_train_engine(model: torch.nn.Module, cfg: Config, total_steps: int, lr: float | None = None,
+                       use_lora: bool = True):
+    """LoRA + checkpointing + optimizer + schedule + deepspeed.initialize -> (engine, config dict).
+
+    ``lr`` overrides optim.lr (PPO's critic); ``use_lora`` false trains the model in full.
+    """
+    use_lora = use_lora and cfg.lora.rank > 0
+    if use_lora:
+        model = apply_lora(model, cfg.lora)
     if cfg.step.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.lora.rank:
+        if use_lora:
             # Frozen embeddings give checkpointed blocks inputs without grad; PEFT's hook fixes that.
             model.enable_input_require_grads()
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, lr)
     scheduler = get_scheduler(SCHEDULERS[cfg.optim.scheduler], optimizer,
                               num_warmup_steps=min(cfg.optim.warmup_steps, total_steps),
                               num_training_steps=total_steps)
@@ -147,11 +160,12 @@ def build_train_engine(model: torch.nn.Module, cfg: Config, total_steps: int):
     return engine, config
 
 
-def build_frozen_engine(model: torch.nn.Module, cfg: Config):
-    """An inference-only engine: no optimizer, no gradients, parameters partitioned under ZeRO-3."""
+def build_frozen_engine(model: torch.nn.Module, cfg: Config, offload: bool = False):
+    """An inference-only engine: no optimizer, no gradients, parameters partitioned under ZeRO-3
+    (and kept in host memory with ``offload``)."""
     model.eval()
     model.requires_grad_(False)
-    config = ds_config(cfg, trainable=False)
+    config = ds_config(cfg, trainable=False, offload=offload)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     return engine, config
 

@@ -73,3 +73,164 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
         return float("nan")
     diff = pos.unsqueeze(1) - neg.unsqueeze(0)
     return ((diff > 0).float() + 0.5 * (diff == 0).float()).mean().item()
+
+
+# ----------------------------------------------------------------------------------------- PPO
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over the masked entries; masked-out entries come back as 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask.to(x.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[t] | ...) from logits aligned with tokens (logits[t] predicts tokens[t]).
+
+    Divided by the sampling temperature: PPO's ratio must use the distribution that sampled.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled token's log-probs.
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r with r = p / p_ref (Schulman, "Approximating
+    KL divergence", 2020): k1 is unbiased but can be negative, k3 is unbiased and never negative.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each response's last real token (its eos, or the token at the length limit).
+
+    An empty response still has one action -- the eos it emitted first -- so the index is at least 0.
+    """
+    return (response_mask.long().sum(-1) - 1).clamp(min=0)
+
+
+def place_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
+                  clip: float | None) -> torch.Tensor:
+    """Per-token rewards: -kl_coef * KL on every response token, plus the (clipped) sequence score on
+    its last real token. DeepSpeed-Chat put the score one past the end, on a padding position."""
+    rewards = -kl_coef * kl * response_mask
+    if clip is not None and clip > 0:
+        scores = scores.clamp(-clip, clip)
+    index = last_token_index(response_mask)
+    return rewards.scatter_add(-1, index.unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over the response tokens (Schulman et al. 2016).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}; the value after the
+    last real token is 0 (the episode ended). Returns (advantages, returns = advantages + values).
+    """
+    mask = mask.to(values.dtype)
+    values = values * mask
+    rewards = rewards * mask
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def group_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO-style: each response's score normalized within the group of responses to its prompt,
+    given to every token of the response (Shao et al. 2024). Rows are grouped consecutively."""
+    grouped = scores.view(-1, group_size)
+    normalized = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-6)
+    return normalized.view(-1, 1) * mask.to(scores.dtype)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate objective (as a loss) and the fraction of tokens where clipping was active."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    clip_fraction = masked_mean((clipped > unclipped).float(), mask)
+    return loss, clip_fraction
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_range: float) -> torch.Tensor:
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped kept within clip_range of the rollout's value."""
+    clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): move the KL coefficient so that the observed KL tracks a target.
+
+    With ``target`` None the coefficient stays fixed.
+    """
+
+    def __init__(self, init_coef: float, target: float | None, horizon: int):
+        self.value, self.target, self.horizon = init_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        if self.target is not None:
+            error = max(-0.2, min(0.2, current_kl / self.target - 1.0))
+            self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class RunningMoments:
+    """Running mean and std of rewards (Chan et al.'s parallel update), for reward normalization."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-8
+
+    def update(self, x: torch.Tensor) -> None:
+        n = x.numel()
+        mean, var = x.float().mean().item(), x.float().var(unbiased=False).item() if n > 1 else 0.0
+        delta = mean - self.mean
+        total = self.count + n
+        self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
+        self.mean += delta * n / total
+        self.count = total
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / (self.var**0.5 + 1e-8)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]

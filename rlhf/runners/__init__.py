@@ -1,8 +1,9 @@
 """Registry of step runners: ``step.name`` -> ``run(cfg) -> final metrics``."""
 
-from rlhf.runners import reward, sft
+from rlhf.runners import ppo, reward, sft
 
 RUNNERS = {
     "sft": sft.run,
     "reward": reward.run,
+    "ppo": ppo.run,
 }

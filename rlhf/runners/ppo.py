@@ -1,0 +1,450 @@
+"""Step 3, RLHF with PPO: setup -> loop (rollout, score, advantages, update) -> save.
+
+Four roles through the one engine factory: the actor (trainable, from the SFT output) and its
+frozen reference copy, the critic (trainable, from the reward model) and the frozen reward model.
+Each PPO step samples answers to a batch of left-padded prompts, scores them (reward model and/or
+a reward function such as the shipped task's rule), adds a per-token KL penalty, computes
+advantages (GAE or group-normalized), and runs ppo_epochs of clipped policy and value updates.
+The RL math is in rlhf/losses.py.
+
+    python launch.py step=ppo actor.path=<sft out>/model critic.path=<reward out>/model
+    python launch.py step=ppo step.reward_fn=rule step.reward_model_weight=0 actor.path=<sft out>/model
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from rlhf import engine as engine_factory
+from rlhf import losses, models
+from rlhf.checkpoint import gather_state_dict, save_hf_model
+from rlhf.config import Config, ConfigError
+from rlhf.data import synthetic
+from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.tokenize import PadCollator, sft_dataset
+from rlhf.logging import peak_memory_gb
+from rlhf.rewards import REWARD_FNS
+from rlhf.runners.common import count_params, finite_or_raise, open_logger
+
+
+# ----------------------------------------------------------------------------- advantages
+def _gae(rewards, values, mask, scores, step_cfg):
+    return losses.gae(rewards, values, mask, step_cfg.gamma, step_cfg.lam)
+
+
+def _grpo(rewards, values, mask, scores, step_cfg):
+    # The KL penalty stays in the reward the critic learns; the policy's advantage is the
+    # sequence score normalized within its prompt's group (values unused).
+    advantages = losses.group_advantages(scores, mask, step_cfg.samples_per_prompt)
+    returns = losses.gae(rewards, values, mask, step_cfg.gamma, step_cfg.lam)[1]
+    return advantages, returns
+
+
+# Advantage estimators by step.advantage_estimator: add one function here to add an estimator.
+ADVANTAGES = {"gae": _gae, "grpo": _grpo}
+
+
+# ---------------------------------------------------------------------------------- data
+def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str) -> list[dict]:
+    """Tokenized prompts (bos included); longer than max_prompt_len: dropped and counted (DeepSpeed-Chat's rule)."""
+    out, seen = [], set()
+    for row in rows:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            report.drop(split, "empty prompt")
+            continue
+        if prompt in seen:  # pairs share prompts; a prompt is one PPO example
+            continue
+        seen.add(prompt)
+        ids = tokenizer(prompt).input_ids
+        if len(ids) > max_prompt_len:
+            report.drop(split, f"prompt longer than step.max_prompt_len={max_prompt_len}")
+            continue
+        out.append({"input_ids": ids, "prompt": prompt})
+    if not out:
+        raise ValueError(f"no usable {split} prompts: {report.dropped.get(split)}")
+    return out
+
+
+def left_pad(batch: list[dict], pad_id: int) -> dict:
+    """Prompts padded on the left so that every answer starts at the same position."""
+    width = max(len(b["input_ids"]) for b in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, b in enumerate(batch):
+        n = len(b["input_ids"])
+        ids[i, width - n:], mask[i, width - n:] = torch.tensor(b["input_ids"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "prompts": [b["prompt"] for b in batch]}
+
+
+def response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first eos (an action like any other), 0 after it."""
+    is_eos = (response == eos_id).long()
+    return ((is_eos.cumsum(-1) - is_eos) == 0).long()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # From the mask, so left-padded prompts get the positions they would have unpadded.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ------------------------------------------------------------------------------- rollouts
+@torch.no_grad()
+def generate(actor, batch: dict, step_cfg, tokenizer, greedy: bool = False) -> torch.Tensor:
+    """Answers (response tokens only) for a left-padded prompt batch."""
+    actor.eval()
+    zero3 = actor.zero_optimization_stage() == 3
+    # Under ZeRO-3 gather the actor once for the whole generate call instead of once per token.
+    gathered = deepspeed.zero.GatheredParameters(list(actor.module.parameters())) if zero3 else contextlib.nullcontext()
+    sample = step_cfg.do_sample and not greedy
+    with gathered:
+        out = actor.module.generate(
+            input_ids=batch["input_ids"].to(actor.device), attention_mask=batch["attention_mask"].to(actor.device),
+            do_sample=sample, temperature=step_cfg.temperature if sample else None,
+            top_p=step_cfg.top_p if sample else None, top_k=(step_cfg.top_k or None) if sample else None,
+            max_new_tokens=step_cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, synced_gpus=zero3 and dist.get_world_size() > 1)
+    actor.train()
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return [tokenizer.decode(r[: int(m.sum())], skip_special_tokens=True) for r, m in zip(response, mask, strict=True)]
+
+
+@torch.no_grad()
+def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> dict[str, torch.Tensor]:
+    """The reward model's score at each sequence's last real token, the reward function's value, and
+    their weighted sum (the score PPO optimizes)."""
+    out = {}
+    total = torch.zeros(seq.shape[0])
+    if reward is not None:
+        values = reward(input_ids=seq, attention_mask=attn)
+        out["rm_score"] = losses.gather_at(values, losses.end_indices(attn)).float().cpu()
+        total = total + step_cfg.reward_model_weight * out["rm_score"]
+    if rule_fn is not None:
+        out["fn_score"] = torch.tensor([rule_fn(p, a) for p, a in zip(prompts, answers, strict=True)])
+        total = total + step_cfg.reward_fn_weight * out["fn_score"]
+    out["score"] = total
+    return out
+
+
+@torch.no_grad()
+def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments) -> dict:
+    response = generate(actor, batch, step_cfg, tokenizer)
+    t_generated = time.perf_counter()
+    device = actor.device
+    prompt_ids, prompt_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    rmask = response_mask(response, tokenizer.eos_token_id)
+    seq = torch.cat([prompt_ids, response], dim=1)
+    attn = torch.cat([prompt_mask, rmask], dim=1)
+    pos = position_ids(attn)
+    start = prompt_ids.shape[1] - 1  # logits at start predict the first answer token
+
+    actor.eval()
+    logits = actor(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
+    old_logprobs = losses.token_logprobs(logits, response, step_cfg.temperature)
+    actor.train()
+    ref_logits = ref(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
+    ref_logprobs = losses.token_logprobs(ref_logits, response, step_cfg.temperature)
+    critic.eval()
+    old_values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
+    critic.train()
+
+    answers = answer_texts(tokenizer, response, rmask)
+    scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg)
+    score = scores["score"].to(device)
+    if step_cfg.reward_normalize:
+        moments.update(score)
+        score = moments.normalize(score)
+    rmask_f = rmask.float()
+    kl = losses.kl_penalty(old_logprobs, ref_logprobs, step_cfg.kl_estimator) * rmask_f
+    rewards = losses.place_rewards(score, kl, rmask_f, kl_ctl.value, step_cfg.reward_clip or None)
+    advantages, returns = ADVANTAGES[step_cfg.advantage_estimator](rewards, old_values, rmask_f, score, step_cfg)
+    if step_cfg.whiten_advantages:
+        advantages = losses.masked_whiten(advantages, rmask_f)
+    return {"seq": seq, "attn": attn, "pos": pos, "response": response, "mask": rmask_f, "start": start,
+            "old_logprobs": old_logprobs, "old_values": old_values, "advantages": advantages, "returns": returns,
+            "kl": kl.sum(-1), "answers": answers, "prompts": batch["prompts"],
+            "generated_at": t_generated, **scores}
+
+
+# --------------------------------------------------------------------------------- update
+def ppo_update(actor, critic, exp: dict, step_cfg, generator: torch.Generator, ptx_iter) -> dict[str, float]:
+    n = exp["seq"].shape[0]
+    micro = step_cfg.micro_batch_size_per_device
+    sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ptx_loss": 0.0}
+    count = 0
+    start = exp["start"]
+    for _ in range(step_cfg.ppo_epochs):
+        order = torch.randperm(n, generator=generator)
+        for i in range(0, n, micro):
+            idx = order[i:i + micro].to(exp["seq"].device)
+            mask = exp["mask"][idx]
+            logits = actor(input_ids=exp["seq"][idx], attention_mask=exp["attn"][idx],
+                           position_ids=exp["pos"][idx]).logits[:, start:-1]
+            logprobs = losses.token_logprobs(logits, exp["response"][idx], step_cfg.temperature)
+            pg_loss, clip_frac = losses.policy_loss(logprobs, exp["old_logprobs"][idx], exp["advantages"][idx], mask,
+                                                    step_cfg.clip_range)
+            entropy = losses.masked_mean(losses.entropy_from_logits(logits, step_cfg.temperature), mask)
+            loss = pg_loss - step_cfg.entropy_coef * entropy
+            if ptx_iter is not None:
+                ptx = next(ptx_iter)
+                ptx_loss = actor(**{k: v.to(actor.device) for k, v in ptx.items()}).loss
+                loss = loss + step_cfg.ptx_coef * ptx_loss
+                sums["ptx_loss"] += ptx_loss.item()
+            actor.backward(loss)
+            actor.step()
+
+            values = critic(input_ids=exp["seq"][idx], attention_mask=exp["attn"][idx])[:, start:-1]
+            v_loss = losses.value_loss(values, exp["old_values"][idx], exp["returns"][idx], mask,
+                                       step_cfg.value_clip_range)
+            critic.backward(step_cfg.vf_coef * v_loss)
+            critic.step()
+
+            sums["policy_loss"] += pg_loss.item()
+            sums["value_loss"] += v_loss.item()
+            sums["entropy"] += entropy.item()
+            sums["clip_frac"] += clip_frac.item()
+            count += 1
+    return {k: v / count for k, v in sums.items()}
+
+
+# ------------------------------------------------------------------------------------ eval
+@torch.no_grad()
+def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, step_cfg, batch_size: int) -> dict[str, float]:
+    """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
+    score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts)."""
+    if not prompts:
+        return {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = -(-len(prompts) // world)
+    mine = [prompts[i % len(prompts)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
+    for i in range(0, len(mine), batch_size):
+        batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
+        response = generate(actor, batch, step_cfg, tokenizer, greedy=True)
+        rmask = response_mask(response, tokenizer.eos_token_id)
+        answers = answer_texts(tokenizer, response, rmask)
+        sums[0] += len(answers)
+        sums[3] += rmask.sum().item()
+        if rule_fn is not None:
+            sums[1] += sum(rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True))
+        if reward is not None:
+            seq = torch.cat([batch["input_ids"].to(actor.device), response], 1)
+            attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
+            sums[2] += losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).sum().item()
+    dist.all_reduce(sums)
+    n = sums[0].item()
+    out = {"eval/answer_len": sums[3].item() / n}
+    if rule_fn is not None:
+        out["eval/accuracy"] = sums[1].item() / n
+    if reward is not None:
+        out["eval/rm_score"] = sums[2].item() / n
+    return out
+
+
+def rollout_metrics(exp: dict, step_cfg) -> dict[str, float]:
+    out = {"reward/score_mean": exp["score"].mean().item(), "reward/score_std": exp["score"].std().item(),
+           "kl": exp["kl"].mean().item(), "answer_len": exp["mask"].sum(-1).mean().item()}
+    if "rm_score" in exp:
+        out["reward/rm_score"] = exp["rm_score"].mean().item()
+    # Truth on the rollouts themselves, where the rule knows the prompts: the accuracy PPO
+    # really reaches, and how well the reward model's scores separate right from wrong (AUC).
+    if all(synthetic.parse_prompt(p) is not None for p in exp["prompts"]):
+        truth = torch.tensor([synthetic.rule_score(p, a) for p, a in zip(exp["prompts"], exp["answers"], strict=True)])
+        out["rollout/rule_accuracy"] = truth.mean().item()
+        if "rm_score" in exp:
+            out["rollout/rm_rule_auc"] = losses.auc(exp["rm_score"], truth)
+    return out
+
+
+def run(cfg: Config) -> dict:
+    # ------------------------------------------------------------------------------- setup
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(cfg.run_dir)
+    step_cfg = cfg.step
+    actor_path = cfg.actor.path or models.resolve_path(cfg.model)
+    reward_path = cfg.reward.path or cfg.critic.path
+    if step_cfg.reward_model_weight > 0 and not reward_path:
+        raise ConfigError("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
+                          "output), or use step.reward_fn=rule step.reward_model_weight=0")
+    critic_path = cfg.critic.path or reward_path or actor_path
+    tokenizer = models.load_tokenizer(actor_path, cfg.model.trust_remote_code)
+    tokenizer.padding_side = "left"
+    rule_fn = REWARD_FNS[step_cfg.reward_fn] if step_cfg.reward_fn else None
+
+    report = DataReport()
+    train_rows, eval_rows = load_step_data(cfg.data, "ppo", report)
+    train_prompts = prompt_dataset(train_rows, tokenizer, step_cfg.max_prompt_len, report, "train")
+    eval_prompts = prompt_dataset(eval_rows, tokenizer, step_cfg.max_prompt_len, report, "eval")[:step_cfg.eval_prompts]
+    # Greedy accuracy is measured by the rule wherever the rule knows the prompts, even when the
+    # rule is not part of the reward: that is the check against the truth.
+    eval_rule = rule_fn or (synthetic.rule_score if all(synthetic.parse_prompt(p["prompt"]) for p in eval_prompts)
+                            else None)
+    prompts_per_step = step_cfg.rollout_batch_size_per_device // step_cfg.samples_per_prompt
+    sampler = DistributedSampler(train_prompts, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed,
+                                 drop_last=True)
+    loader = DataLoader(train_prompts, batch_size=prompts_per_step, sampler=sampler, drop_last=True,
+                        collate_fn=lambda b: left_pad([x for x in b for _ in range(step_cfg.samples_per_prompt)],
+                                                      tokenizer.pad_token_id))
+    ppo_steps = len(loader) * step_cfg.epochs
+    if step_cfg.max_steps > 0:
+        ppo_steps = min(ppo_steps, step_cfg.max_steps)
+    if ppo_steps == 0:
+        raise ValueError(f"{len(train_prompts)} prompts make no PPO step of {prompts_per_step} prompts per device")
+    updates_per_step = step_cfg.ppo_epochs * step_cfg.rollout_batch_size_per_device // (
+        step_cfg.micro_batch_size_per_device * cfg.gradient_accumulation_steps)
+    ptx_iter = None
+    if step_cfg.ptx_coef > 0:
+        ptx_rows, _ = load_step_data(cfg.data, "sft", report)
+        ptx_ds = sft_dataset(ptx_rows, tokenizer, step_cfg.max_prompt_len + step_cfg.max_new_tokens, "all", report,
+                             "ptx", cfg.data.on_bad_row)
+        ptx_loader = DataLoader(ptx_ds, batch_size=step_cfg.micro_batch_size_per_device, drop_last=True,
+                                sampler=DistributedSampler(ptx_ds, num_replicas=world, rank=rank, seed=cfg.seed),
+                                collate_fn=PadCollator(tokenizer.pad_token_id))
+        ptx_iter = iter(_forever(ptx_loader))
+    if rank == 0:
+        (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+
+    dtype = engine_factory.model_dtype(cfg)
+    with engine_factory.loading_context(cfg):
+        actor_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+        ref_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+        critic_model = models.load_reward_model(critic_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+        reward_model = (models.load_reward_model(reward_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+                        if step_cfg.reward_model_weight > 0 else None)
+    total_updates = ppo_steps * updates_per_step // cfg.gradient_accumulation_steps
+    actor, actor_ds = engine_factory.build_train_engine(actor_model, cfg, max(total_updates, 1))
+    ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
+    critic, critic_ds = engine_factory.build_train_engine(critic_model, cfg, max(total_updates, 1),
+                                                          lr=step_cfg.critic_lr, use_lora=False)
+    reward, reward_ds = (engine_factory.build_frozen_engine(reward_model, cfg, offload=step_cfg.offload_reward)
+                         if reward_model is not None else (None, None))
+    n_actor, n_critic = count_params(actor.module), count_params(critic.module)
+    ema = _ema_init(actor, step_cfg.ema_decay, cfg.lora.rank)
+    kl_ctl = losses.AdaptiveKLController(step_cfg.kl_coef, step_cfg.kl_target, step_cfg.kl_horizon)
+    moments = losses.RunningMoments()
+    generator = torch.Generator().manual_seed(cfg.seed)
+    if rank == 0:
+        (run_dir / "ds_config.json").write_text(json.dumps(
+            {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds, "reward": reward_ds}, indent=2))
+        print(f"[ppo] {len(train_prompts)} prompts, {ppo_steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
+              f"rollouts per device, {updates_per_step} micro-batch updates each; actor {n_actor / 1e6:.2f}M, critic "
+              f"{n_critic / 1e6:.2f}M parameters; reward: "
+              f"{'reward model' if reward else ''}{' + ' if reward and rule_fn else ''}{step_cfg.reward_fn or ''}",
+              flush=True)
+    logger = open_logger(cfg, rank)
+
+    # -------------------------------------------------------------------------------- loop
+    def full_eval(step: int) -> dict[str, float]:
+        metrics = evaluate(actor, reward, eval_rule, eval_prompts, tokenizer, step_cfg,
+                           step_cfg.eval_micro_batch_size_per_device)
+        logger.log(metrics, step=step)
+        if rank == 0 and metrics:
+            print(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
+        return metrics
+
+    first = last = full_eval(0)
+    step, last_eval_step = 0, 0
+    bar = tqdm(total=ppo_steps, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(step_cfg.epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            t0 = time.perf_counter()
+            exp = make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments)
+            t1 = time.perf_counter()
+            train = ppo_update(actor, critic, exp, step_cfg, generator, ptx_iter)
+            t2 = time.perf_counter()
+            _ema_update(ema, actor, step_cfg.ema_decay)
+            step += 1
+            metrics = {**rollout_metrics(exp, step_cfg), **train, "kl_coef": kl_ctl.value}
+            kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
+            finite_or_raise(train["policy_loss"] + train["value_loss"], "PPO loss", step)
+            t3 = time.perf_counter()
+            n_seq, seq_len = exp["seq"].shape
+            gen_tokens = exp["mask"].sum().item()
+            # Forward FLOPs 2N per token: generation, 4 scoring passes, then 3x (fwd+bwd) per update.
+            flops = 2 * n_actor * gen_tokens + 2 * (2 * n_actor + 2 * n_critic) * n_seq * seq_len \
+                + step_cfg.ppo_epochs * 6 * (n_actor + n_critic) * n_seq * seq_len
+            metrics.update({"generate_s": exp["generated_at"] - t0, "experience_s": t1 - t0, "train_s": t2 - t1,
+                            "other_s": t3 - t2, "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0),
+                            "tflops": flops / (t3 - t0) / 1e12, "lr": actor.get_lr()[0], "epoch": epoch,
+                            "memory_gb": peak_memory_gb(cfg.hardware.accelerator)})
+            logger.log(metrics, step=step)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
+            if rank == 0 and step % step_cfg.log_every_steps == 0:
+                keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "step_s")
+                print(f"[ppo] step {step}/{ppo_steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics),
+                      flush=True)
+            if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
+                last, last_eval_step = full_eval(step), step
+            if step >= ppo_steps:
+                break
+        if step >= ppo_steps:
+            break
+    bar.close()
+    if last_eval_step != step:
+        last = full_eval(step)
+
+    # -------------------------------------------------------------------------------- save
+    final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
+    if step_cfg.save_model:
+        save_hf_model(actor, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
+        save_hf_model(critic, tokenizer, run_dir / "critic")
+        final["model_dir"] = str(run_dir / "model")
+        if ema is not None and rank == 0:
+            _ema_save(ema, actor, tokenizer, run_dir / "model_ema")
+            final["ema_dir"] = str(run_dir / "model_ema")
+    if rank == 0:
+        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
+    logger.close()
+    return final
+
+
+def _forever(loader):
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+# ------------------------------------------------------------------------------------- EMA
+def _ema_init(actor, decay: float, lora_rank: int) -> dict[str, torch.Tensor] | None:
+    """A full-precision CPU copy of the actor's weights (rank 0), averaged after every PPO step."""
+    if decay == 0:
+        return None
+    if lora_rank:
+        raise ConfigError("step.ema_decay with lora.rank > 0 is not supported: average the merged model instead")
+    state = gather_state_dict(actor)
+    return {k: v.float() for k, v in state.items()} if state is not None else None
+
+
+def _ema_update(ema, actor, decay: float) -> None:
+    if ema is None and dist.get_rank() == 0 or decay == 0:
+        return
+    current = gather_state_dict(actor)  # every rank joins the gathers; rank 0 gets the tensors
+    if current is not None:
+        for name, value in current.items():
+            if value.is_floating_point():
+                ema[name].mul_(decay).add_(value.float(), alpha=1.0 - decay)
+
+
+def _ema_save(ema, actor, tokenizer, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(actor.module.config)
+    model.load_state_dict(ema, strict=False)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
