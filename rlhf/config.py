@@ -319,10 +319,21 @@ class SFTStepConfig(StepConfig):
     name: str = "sft"
     # Tokens that carry the loss: the answer only (DeepSpeed-Chat masks nothing), or all tokens.
     loss_on: str = "answer"
+    # Held-out prompts answered greedily and scored by the rule at each eval (shipped tasks only); 0: off.
+    eval_accuracy_prompts: int = 0
+    # Longest greedy answer in that check, in tokens.
+    max_new_tokens: int = 8
+    # Stop training once that held-out accuracy reaches this (seeds vary a lot at a fixed step count,
+    # so an SFT start for PPO is better chosen by accuracy); null: never.
+    stop_at_accuracy: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("step.loss_on", self.loss_on, ("answer", "all"))
+        _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
+        _positive("step.max_new_tokens", self.max_new_tokens)
+        if self.stop_at_accuracy is not None and (self.eval_accuracy_prompts == 0 or self.eval_every_steps == 0):
+            raise ConfigError("step.stop_at_accuracy needs step.eval_accuracy_prompts > 0 and step.eval_every_steps > 0")
 
 
 @dataclass

@@ -74,11 +74,30 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
         print(json.dumps(ds_config(schema), indent=2))
         return {}
     write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
+    from rlhf.pipeline import is_chain, run_chain
+
+    if is_chain(cfg):
+        return run_chain(schema, overrides or [])
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         return launch_ranks(schema, run_dir)
     from rlhf.worker import main
 
     return main(schema)
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config `python launch.py <overrides>` composes (inside a running Hydra app or outside)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlhf.config import quote_numeric_groups, register_configs
+
+    register_configs()
+    overrides = quote_numeric_groups(overrides)
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="config", overrides=overrides)
+    with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=overrides)
 
 
 def launch_command(cfg: Config, run_dir: Path) -> list[str]:

@@ -24,11 +24,6 @@ def rlhf_cache(tmp_path_factory):
 
 def compose(overrides: list[str] | None = None):
     """The composed DictConfig that `python launch.py <overrides>` would get."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from rlhf.launch import compose_config
 
-    from rlhf.config import quote_numeric_groups, register_configs
-
-    register_configs()
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        return hydra_compose("config", overrides=quote_numeric_groups(overrides or []))
+    return compose_config(overrides or [])

@@ -13,12 +13,10 @@ The RL math is in rlhf/losses.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
@@ -33,6 +31,7 @@ from rlhf.data.blend import DataReport, load_step_data
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.logging import peak_memory_gb
 from rlhf.rewards import REWARD_FNS
+from rlhf.rollout import answer_texts, evaluate, generate, left_pad, position_ids, prompt_dataset, response_mask
 from rlhf.runners.common import count_params, finite_or_raise, open_logger
 
 
@@ -53,74 +52,7 @@ def _grpo(rewards, values, mask, scores, step_cfg):
 ADVANTAGES = {"gae": _gae, "grpo": _grpo}
 
 
-# ---------------------------------------------------------------------------------- data
-def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str) -> list[dict]:
-    """Tokenized prompts (bos included); longer than max_prompt_len: dropped and counted (DeepSpeed-Chat's rule)."""
-    out, seen = [], set()
-    for row in rows:
-        prompt = row["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            report.drop(split, "empty prompt")
-            continue
-        if prompt in seen:  # pairs share prompts; a prompt is one PPO example
-            continue
-        seen.add(prompt)
-        ids = tokenizer(prompt).input_ids
-        if len(ids) > max_prompt_len:
-            report.drop(split, f"prompt longer than step.max_prompt_len={max_prompt_len}")
-            continue
-        out.append({"input_ids": ids, "prompt": prompt})
-    if not out:
-        raise ValueError(f"no usable {split} prompts: {report.dropped.get(split)}")
-    return out
-
-
-def left_pad(batch: list[dict], pad_id: int) -> dict:
-    """Prompts padded on the left so that every answer starts at the same position."""
-    width = max(len(b["input_ids"]) for b in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, b in enumerate(batch):
-        n = len(b["input_ids"])
-        ids[i, width - n:], mask[i, width - n:] = torch.tensor(b["input_ids"]), 1
-    return {"input_ids": ids, "attention_mask": mask, "prompts": [b["prompt"] for b in batch]}
-
-
-def response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including the first eos (an action like any other), 0 after it."""
-    is_eos = (response == eos_id).long()
-    return ((is_eos.cumsum(-1) - is_eos) == 0).long()
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    # From the mask, so left-padded prompts get the positions they would have unpadded.
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 # ------------------------------------------------------------------------------- rollouts
-@torch.no_grad()
-def generate(actor, batch: dict, step_cfg, tokenizer, greedy: bool = False) -> torch.Tensor:
-    """Answers (response tokens only) for a left-padded prompt batch."""
-    actor.eval()
-    zero3 = actor.zero_optimization_stage() == 3
-    # Under ZeRO-3 gather the actor once for the whole generate call instead of once per token.
-    gathered = deepspeed.zero.GatheredParameters(list(actor.module.parameters())) if zero3 else contextlib.nullcontext()
-    sample = step_cfg.do_sample and not greedy
-    with gathered:
-        out = actor.module.generate(
-            input_ids=batch["input_ids"].to(actor.device), attention_mask=batch["attention_mask"].to(actor.device),
-            do_sample=sample, temperature=step_cfg.temperature if sample else None,
-            top_p=step_cfg.top_p if sample else None, top_k=(step_cfg.top_k or None) if sample else None,
-            max_new_tokens=step_cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, synced_gpus=zero3 and dist.get_world_size() > 1)
-    actor.train()
-    return out[:, batch["input_ids"].shape[1]:]
-
-
-def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    return [tokenizer.decode(r[: int(m.sum())], skip_special_tokens=True) for r, m in zip(response, mask, strict=True)]
-
-
 @torch.no_grad()
 def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> dict[str, torch.Tensor]:
     """The reward model's score at each sequence's last real token, the reward function's value, and
@@ -140,7 +72,8 @@ def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> d
 
 @torch.no_grad()
 def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments) -> dict:
-    response = generate(actor, batch, step_cfg, tokenizer)
+    response = generate(actor, batch, tokenizer, step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature,
+                        step_cfg.top_p, step_cfg.top_k)
     t_generated = time.perf_counter()
     device = actor.device
     prompt_ids, prompt_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -217,40 +150,6 @@ def ppo_update(actor, critic, exp: dict, step_cfg, generator: torch.Generator, p
             sums["clip_frac"] += clip_frac.item()
             count += 1
     return {k: v / count for k, v in sums.items()}
-
-
-# ------------------------------------------------------------------------------------ eval
-@torch.no_grad()
-def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, step_cfg, batch_size: int) -> dict[str, float]:
-    """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
-    score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts)."""
-    if not prompts:
-        return {}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-len(prompts) // world)
-    mine = [prompts[i % len(prompts)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
-    sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
-    for i in range(0, len(mine), batch_size):
-        batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
-        response = generate(actor, batch, step_cfg, tokenizer, greedy=True)
-        rmask = response_mask(response, tokenizer.eos_token_id)
-        answers = answer_texts(tokenizer, response, rmask)
-        sums[0] += len(answers)
-        sums[3] += rmask.sum().item()
-        if rule_fn is not None:
-            sums[1] += sum(rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True))
-        if reward is not None:
-            seq = torch.cat([batch["input_ids"].to(actor.device), response], 1)
-            attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
-            sums[2] += losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).sum().item()
-    dist.all_reduce(sums)
-    n = sums[0].item()
-    out = {"eval/answer_len": sums[3].item() / n}
-    if rule_fn is not None:
-        out["eval/accuracy"] = sums[1].item() / n
-    if reward is not None:
-        out["eval/rm_score"] = sums[2].item() / n
-    return out
 
 
 def rollout_metrics(exp: dict, step_cfg) -> dict[str, float]:
@@ -347,7 +246,7 @@ def run(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------------------- loop
     def full_eval(step: int) -> dict[str, float]:
-        metrics = evaluate(actor, reward, eval_rule, eval_prompts, tokenizer, step_cfg,
+        metrics = evaluate(actor, reward, eval_rule, eval_prompts, tokenizer, step_cfg.max_new_tokens,
                            step_cfg.eval_micro_batch_size_per_device)
         logger.log(metrics, step=step)
         if rank == 0 and metrics:

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf import engine as engine_factory
-from rlhf import models
+from rlhf import models, rollout
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
+from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.logging import format_line
@@ -37,7 +38,7 @@ from rlhf.runners.common import (
 
 
 @torch.no_grad()
-def evaluate(engine, loader) -> dict[str, float]:
+def perplexity(engine, loader) -> dict[str, float]:
     """Token-weighted loss and perplexity over the eval rows (summed over ranks)."""
     engine.eval()
     device = engine.device
@@ -75,6 +76,19 @@ def run(cfg: Config) -> dict:
     loader, sampler = train_loader(train_ds, cfg, rank, world, collate)
     evaluation = eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = plan_steps(cfg, len(loader), len(train_ds))
+    # Greedy accuracy by the rule, where the rule knows the eval prompts (the shipped tasks).
+    accuracy_prompts = []
+    if step_cfg.eval_accuracy_prompts and all(synthetic.parse_prompt(p) for p in eval_rows["prompt"]):
+        accuracy_prompts = rollout.prompt_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, report,
+                                                  "eval")[: step_cfg.eval_accuracy_prompts]
+
+    def evaluate() -> dict[str, float]:
+        metrics = perplexity(engine, evaluation)
+        if accuracy_prompts:
+            acc = rollout.evaluate(engine, None, synthetic.rule_score, accuracy_prompts, tokenizer,
+                                   step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device)
+            metrics.update(acc)
+        return metrics
 
     with engine_factory.loading_context(cfg):
         model = models.load_causal_lm(model_path, tokenizer, engine_factory.model_dtype(cfg), cfg.model.dropout,
@@ -88,7 +102,7 @@ def run(cfg: Config) -> dict:
     logger = open_logger(cfg, rank)
 
     # -------------------------------------------------------------------------------- loop
-    first_eval = evaluate(engine, evaluation)
+    first_eval = evaluate()
     logger.log({**first_eval, "epoch": 0}, step=0)
     last_eval = first_eval
     step, last_eval_step, window_loss = 0, 0, 0.0
@@ -117,12 +131,17 @@ def run(cfg: Config) -> dict:
                     print(f"[sft] step {step}/{total_steps} {format_line(metrics)}", flush=True)
                 window_loss = 0.0
             if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
-                last_eval, last_eval_step = evaluate(engine, evaluation), step
+                last_eval, last_eval_step = evaluate(), step
                 logger.log({**last_eval, "epoch": epoch}, step=step)
+                if step_cfg.stop_at_accuracy is not None and last_eval["eval/accuracy"] >= step_cfg.stop_at_accuracy:
+                    if rank == 0:
+                        print(f"[sft] step {step}: held-out accuracy {last_eval['eval/accuracy']:.3f} >= "
+                              f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}; stopping", flush=True)
+                    total_steps = step
             if step >= total_steps:
                 break
         if last_eval_step != step:
-            last_eval, last_eval_step = evaluate(engine, evaluation), step
+            last_eval, last_eval_step = evaluate(), step
             logger.log({**last_eval, "epoch": epoch + 1}, step=step)
             if rank == 0:
                 print(f"[sft] epoch {epoch + 1}: eval ppl {first_eval['eval/ppl']:.3f} -> {last_eval['eval/ppl']:.3f}",
@@ -132,7 +151,7 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    final = {"step": step, "eval/ppl_before": first_eval["eval/ppl"], "eval/ppl": last_eval["eval/ppl"]}
+    final = {"step": step, **{f"{k}_before": v for k, v in first_eval.items()}, **last_eval}
     if step_cfg.save_model:
         save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         final["model_dir"] = str(run_dir / "model")

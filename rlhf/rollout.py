@@ -1,0 +1,116 @@
+"""Prompt batches, generation and greedy evaluation shared by PPO (rollouts) and SFT (accuracy).
+
+    python -c "from rlhf.rollout import generate; ..."   # used by the runners
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from rlhf import losses
+from rlhf.data.blend import DataReport
+
+
+def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str) -> list[dict]:
+    """Tokenized prompts (bos included); longer than max_prompt_len: dropped and counted (DeepSpeed-Chat's rule)."""
+    out, seen = [], set()
+    for row in rows:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            report.drop(split, "empty prompt")
+            continue
+        if prompt in seen:  # pairs share prompts; a prompt is one PPO example
+            continue
+        seen.add(prompt)
+        ids = tokenizer(prompt).input_ids
+        if len(ids) > max_prompt_len:
+            report.drop(split, f"prompt longer than step.max_prompt_len={max_prompt_len}")
+            continue
+        out.append({"input_ids": ids, "prompt": prompt})
+    if not out:
+        raise ValueError(f"no usable {split} prompts: {report.dropped.get(split)}")
+    return out
+
+
+def left_pad(batch: list[dict], pad_id: int) -> dict:
+    """Prompts padded on the left so that every answer starts at the same position."""
+    width = max(len(b["input_ids"]) for b in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, b in enumerate(batch):
+        n = len(b["input_ids"])
+        ids[i, width - n:], mask[i, width - n:] = torch.tensor(b["input_ids"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "prompts": [b["prompt"] for b in batch]}
+
+
+def response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first eos (an action like any other), 0 after it."""
+    is_eos = (response == eos_id).long()
+    return ((is_eos.cumsum(-1) - is_eos) == 0).long()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # From the mask, so left-padded prompts get the positions they would have unpadded.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Answers (response tokens only) for a left-padded prompt batch; stops at eos."""
+    actor.eval()
+    zero3 = actor.zero_optimization_stage() == 3
+    # Under ZeRO-3 gather the actor once for the whole generate call instead of once per token.
+    gathered = deepspeed.zero.GatheredParameters(list(actor.module.parameters())) if zero3 else contextlib.nullcontext()
+    sample = do_sample
+    with gathered:
+        out = actor.module.generate(
+            input_ids=batch["input_ids"].to(actor.device), attention_mask=batch["attention_mask"].to(actor.device),
+            do_sample=sample, temperature=temperature if sample else None,
+            top_p=top_p if sample else None, top_k=(top_k or None) if sample else None,
+            max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, synced_gpus=zero3 and dist.get_world_size() > 1)
+    actor.train()
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return [tokenizer.decode(r[: int(m.sum())], skip_special_tokens=True) for r, m in zip(response, mask, strict=True)]
+
+
+@torch.no_grad()
+def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tokens: int,
+             batch_size: int) -> dict[str, float]:
+    """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
+    score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts)."""
+    if not prompts:
+        return {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = -(-len(prompts) // world)
+    mine = [prompts[i % len(prompts)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
+    for i in range(0, len(mine), batch_size):
+        batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
+        response = generate(actor, batch, tokenizer, max_new_tokens)
+        rmask = response_mask(response, tokenizer.eos_token_id)
+        answers = answer_texts(tokenizer, response, rmask)
+        sums[0] += len(answers)
+        sums[3] += rmask.sum().item()
+        if rule_fn is not None:
+            sums[1] += sum(rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True))
+        if reward is not None:
+            seq = torch.cat([batch["input_ids"].to(actor.device), response], 1)
+            attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
+            sums[2] += losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).sum().item()
+    dist.all_reduce(sums)
+    n = sums[0].item()
+    out = {"eval/answer_len": sums[3].item() / n}
+    if rule_fn is not None:
+        out["eval/accuracy"] = sums[1].item() / n
+    if reward is not None:
+        out["eval/rm_score"] = sums[2].item() / n
+    return out
