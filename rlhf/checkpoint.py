@@ -35,6 +35,19 @@ def gather_state_dict(engine) -> dict[str, torch.Tensor] | None:
     return out if rank == 0 else None
 
 
+def param_fingerprint(engine) -> tuple[float, float]:
+    """(sum, sum of squares) of every parameter, summed over ranks: a cheap check that a model that
+    must not train (PPO's reference) did not, and that one that must (the actor) did."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    for p in engine.module.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.data  # a ZeRO-3 rank holds a shard
+        local = local.detach().double().cpu()
+        totals += torch.stack([local.sum(), local.pow(2).sum()])
+    if dist.is_initialized() and engine.zero_optimization_stage() == 3:
+        dist.all_reduce(totals)
+    return totals[0].item(), totals[1].item()
+
+
 def _fresh_like(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """An untrained CPU twin of ``module`` (causal LM or reward model), built from its config."""
     from transformers import AutoModelForCausalLM

@@ -83,3 +83,101 @@ def test_pairwise_accuracy_and_auc_by_hand():
     assert losses.auc(t([0.9, 0.8, 0.3, 0.1]), t([1, 0, 1, 0])) == pytest.approx(0.75)
     assert losses.auc(t([0.5, 0.5]), t([1, 0])) == 0.5
     assert math.isnan(losses.auc(t([0.5, 0.4]), t([1, 1])))
+
+
+# ----------------------------------------------------------------------------------------- PPO
+def test_kl_estimators_by_hand():
+    logp, ref = t([-1.0]), t([-1.5])  # log ratio 0.5
+    assert losses.kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert losses.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert losses.kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 1 + 0.5, abs=1e-6)  # 0.106531
+    assert losses.kl_penalty(t([-1.0]), t([-1.0]), "k3").item() == 0.0
+    with pytest.raises(ValueError, match="k4"):
+        losses.kl_penalty(logp, ref, "k4")
+
+
+def test_response_mask_and_last_token_for_early_stop_limit_and_empty():
+    from rlhf.rollout import response_mask
+
+    response = t([[5, 2, 0, 0],   # stops early: eos at 1 (pads after it)
+                  [5, 6, 7, 8],   # runs to the limit: no eos
+                  [2, 0, 0, 0]],  # empty answer: eos first
+                 torch.long)
+    mask = response_mask(response, eos_id=2)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert losses.last_token_index(mask).tolist() == [1, 3, 0]
+
+
+def test_reward_placement_by_hand():
+    kl = t([[0.1, 0.2, 0.3], [0.1, 0.1, 0.1], [0.5, 0.0, 0.0]])
+    mask = t([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    rewards = losses.place_rewards(t([2.0, 7.0, 1.0]), kl, mask, kl_coef=0.5, clip=5.0)
+    # Score on the last real token (eos, limit, or the lone eos of an empty answer), clipped to 5.
+    expected = [[-0.05, -0.1 + 2.0, 0.0], [-0.05, -0.05, -0.05 + 5.0], [-0.25 + 1.0, 0.0, 0.0]]
+    assert torch.allclose(rewards, t(expected), atol=1e-6)
+
+
+def test_gae_by_hand():
+    adv, ret = losses.gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), t([[1, 1, 1]]), gamma=1.0, lam=0.95)
+    # A2 = 1 - 0.7 = 0.3; A1 = (0.7 - 0.6) + 0.95 * 0.3 = 0.385; A0 = (0.6 - 0.5) + 0.95 * 0.385 = 0.46575
+    assert torch.allclose(adv, t([[0.46575, 0.385, 0.3]]), atol=1e-6)
+    assert torch.allclose(ret, t([[0.96575, 0.985, 1.0]]), atol=1e-6)
+
+
+def test_gae_stops_at_the_end_of_the_answer():
+    adv, _ = losses.gae(t([[0.0, 1.0, 9.0]]), t([[0.5, 0.6, 9.0]]), t([[1, 1, 0]]), gamma=1.0, lam=0.95)
+    # The masked third token adds neither reward nor a bootstrap value: A1 = 1 - 0.6, A0 = 0.1 + 0.95 * 0.4.
+    assert torch.allclose(adv, t([[0.48, 0.4, 0.0]]), atol=1e-6)
+
+
+def test_gae_monte_carlo_with_discount():
+    adv, _ = losses.gae(t([[0.0, 0.0, 1.0]]), t([[0.0, 0.0, 0.0]]), t([[1, 1, 1]]), gamma=0.9, lam=1.0)
+    assert torch.allclose(adv, t([[0.81, 0.9, 1.0]]), atol=1e-6)
+
+
+def test_policy_loss_by_hand():
+    mask = t([[1.0]])
+    loss, frac = losses.policy_loss(t([[0.0]]), t([[0.0]]), t([[2.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(-2.0) and frac.item() == 0.0
+    # ratio e^0.5 = 1.6487 with a positive advantage: clipped to 1.2.
+    loss, frac = losses.policy_loss(t([[0.5]]), t([[0.0]]), t([[1.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(-1.2) and frac.item() == 1.0
+    # The same ratio with a negative advantage: the unclipped (pessimistic) term wins.
+    loss, frac = losses.policy_loss(t([[0.5]]), t([[0.0]]), t([[-1.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(math.exp(0.5), abs=1e-6) and frac.item() == 0.0
+
+
+def test_value_loss_by_hand():
+    # Unclipped (1 - 2)^2 = 1; clipped value 0.2 gives (0.2 - 2)^2 = 3.24; 0.5 * max = 1.62.
+    assert losses.value_loss(t([[1.0]]), t([[0.0]]), t([[2.0]]), t([[1.0]]), 0.2).item() == pytest.approx(1.62)
+
+
+def test_token_logprobs_with_temperature():
+    logits = t([[[0.0, math.log(3.0)]]])
+    assert losses.token_logprobs(logits, t([[1]], torch.long)).item() == pytest.approx(math.log(0.75), abs=1e-6)
+    p = math.sqrt(3) / (1 + math.sqrt(3))  # softmax of logits / 2
+    assert losses.token_logprobs(logits, t([[1]], torch.long), 2.0).item() == pytest.approx(math.log(p), abs=1e-6)
+
+
+def test_whiten_group_advantages_and_masked_mean():
+    assert torch.allclose(losses.masked_whiten(t([1.0, 2.0, 3.0, 100.0]), t([1, 1, 1, 0])),
+                          t([-1.224745, 0.0, 1.224745, 0.0]), atol=1e-5)
+    adv = losses.group_advantages(t([1.0, 0.0, 3.0, 3.0]), torch.ones(4, 2), group_size=2)
+    assert torch.allclose(adv[:, 0], t([0.707107, -0.707107, 0.0, 0.0]), atol=1e-5)
+    assert losses.masked_mean(t([1.0, 3.0, 100.0]), t([1, 1, 0])).item() == 2.0
+
+
+def test_adaptive_kl_controller_by_hand():
+    ctl = losses.AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    # error = clip(12 / 6 - 1, -0.2, 0.2) = 0.2; coefficient *= 1 + 0.2 * 1000 / 10000
+    assert ctl.update(12.0, 1000) == pytest.approx(0.102)
+    fixed = losses.AdaptiveKLController(0.1, target=None, horizon=10000)
+    assert fixed.update(12.0, 1000) == 0.1
+
+
+def test_running_moments_match_the_whole_sample():
+    m = losses.RunningMoments()
+    m.update(t([1.0, 2.0, 3.0]))
+    m.update(t([4.0, 5.0]))
+    assert m.mean == pytest.approx(3.0) and m.var == pytest.approx(2.0)
+    assert m.normalize(t([3.0])).item() == pytest.approx(0.0)

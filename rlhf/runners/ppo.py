@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import losses, models
-from rlhf.checkpoint import gather_state_dict, save_hf_model
+from rlhf.checkpoint import gather_state_dict, param_fingerprint, save_hf_model
 from rlhf.config import Config, ConfigError
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -253,6 +253,7 @@ def run(cfg: Config) -> dict:
             print(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
         return metrics
 
+    fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
     first = last = full_eval(0)
     step, last_eval_step = 0, 0
     bar = tqdm(total=ppo_steps, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
@@ -298,6 +299,10 @@ def run(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------------------- save
     final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
+    # How far the weights moved, as |change| of (sum, sum of squares): 0 for the frozen reference.
+    for role, eng in (("actor", actor), ("reference", ref)):
+        now = param_fingerprint(eng)
+        final[f"{role}_weight_change"] = max(abs(a - b) for a, b in zip(now, fingerprints[role], strict=True))
     if step_cfg.save_model:
         save_hf_model(actor, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         save_hf_model(critic, tokenizer, run_dir / "critic")

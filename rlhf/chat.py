@@ -1,0 +1,73 @@
+"""Multi-turn chat with any output folder (SFT, PPO, EMA) or hub id, like DeepSpeed-Chat's chatbot.py.
+
+Type a message; `clear` starts a new conversation, `quit` (or end of input) leaves. The
+conversation is kept in DeepSpeed-Chat's " Human: ... Assistant: ..." form and cut from the left
+when it outgrows the model's context.
+
+    python -m rlhf.chat --path runs/e2e/tiny-llama_synthetic-sort/ppo/model
+    python -m rlhf.chat --path facebook/opt-1.3b --max-new-tokens 128 --sample --temperature 0.7
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def respond(model, tokenizer, history: str, max_new_tokens: int, sample: bool, temperature: float) -> str:
+    ids = tokenizer(history).input_ids
+    limit = getattr(model.config, "max_position_embeddings", 2048) - max_new_tokens
+    ids = ids[-limit:]  # keep the most recent turns
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=sample,
+                             temperature=temperature if sample else None, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", required=True, help="model folder (any step's output) or hub id")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.path)
+        model = AutoModelForCausalLM.from_pretrained(args.path).eval()
+    except (OSError, ValueError) as err:
+        sys.exit(f"cannot load a causal LM from {args.path!r}: {err}")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # generation only: no masks are built from pad here
+    history = ""
+    print("Type a message; 'clear' starts over, 'quit' leaves.", flush=True)
+    while True:
+        try:
+            text = input("Human: ").strip()
+        except EOFError:
+            break
+        if text == "quit":
+            break
+        if text == "clear":
+            history = ""
+            print("(conversation cleared)", flush=True)
+            continue
+        if not text:
+            continue
+        history += f" Human: {text} Assistant:"
+        answer = respond(model, tokenizer, history, args.max_new_tokens, args.sample, args.temperature)
+        history += answer
+        print(f"Assistant:{answer}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

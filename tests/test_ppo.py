@@ -1,0 +1,118 @@
+"""Tiny PPO runs through real DeepSpeed engines (zero 0 and 3, one process), the e2e chain and its
+step-level resume, and the chat CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.config import ConfigError, to_schema
+from rlhf.launch import run
+from tests.conftest import ROOT, compose
+
+QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
+PPO_FAST = ["step=ppo", "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=8",
+            "step.max_steps=3", "step.eval_prompts=16", "step.eval_micro_batch_size_per_device=16",
+            "step.max_new_tokens=6", "step.eval_every_steps=0", *QUIET]
+
+
+@pytest.fixture(scope="module")
+def sft_and_reward(tmp_path_factory):
+    """A briefly trained SFT model and reward model, shared by the PPO tests."""
+    base = tmp_path_factory.mktemp("chain")
+    run(compose(["step=sft", "step.max_steps=40", *QUIET, f"run_dir={base / 'sft'}"]))
+    run(compose(["step=reward", "step.max_steps=40", "step.rule_check_answers=0", *QUIET,
+                 f"run_dir={base / 'reward'}"]))
+    return base / "sft" / "model", base / "reward" / "model"
+
+
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward, zero):
+    sft, rm = sft_and_reward
+    final = run(compose([*PPO_FAST, f"zero={zero}", f"actor.path={sft}", f"critic.path={rm}", f"run_dir={tmp_path}"]))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in rows if "policy_loss" in r]
+    assert len(steps) == 3
+    for r in steps:
+        for key in ("reward/score_mean", "reward/rm_score", "kl", "entropy", "clip_frac", "policy_loss",
+                    "value_loss", "answer_len", "generate_s", "experience_s", "train_s", "samples_per_s", "tflops",
+                    "rollout/rule_accuracy"):
+            assert math.isfinite(r[key]), (key, r)
+        assert r["generate_s"] <= r["experience_s"] <= r["step_s"]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-5), "actor and reference start identical"
+    assert final["reference_weight_change"] == 0.0
+    assert final["actor_weight_change"] > 0.0
+    # The saved actor differs from its SFT start; the saved critic is a reward-model folder.
+    before, after = load_file(sft / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert (tmp_path / "critic" / "config.json").exists()
+    assert {"actor", "reference", "critic", "reward"} <= json.loads((tmp_path / "ds_config.json").read_text()).keys()
+
+
+def test_ppo_with_rule_reward_grpo_and_ema(tmp_path, sft_and_reward):
+    sft, _ = sft_and_reward
+    final = run(compose([*PPO_FAST, "step.reward_fn=rule", "step.reward_model_weight=0",
+                         "step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.ema_decay=0.9",
+                         "step.kl_estimator=k3", "step.kl_target=0.1", f"actor.path={sft}", f"run_dir={tmp_path}"]))
+    assert "eval/accuracy" in final and "eval/rm_score" not in final
+    assert (tmp_path / "model_ema" / "config.json").exists()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "policy_loss" in line]
+    assert rows[-1]["kl_coef"] != 0.05, "the adaptive controller moves the coefficient"
+
+
+def test_ppo_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="step.rollout_batch_size_per_device=20 is not divisible"):
+        to_schema(compose(["step=ppo", "step.rollout_batch_size_per_device=20", "step.micro_batch_size_per_device=8"]))
+    with pytest.raises(ConfigError, match="step.kl_estimator='k9'"):
+        to_schema(compose(["step=ppo", "step.kl_estimator=k9"]))
+    with pytest.raises(ConfigError, match="no step.reward_fn"):
+        to_schema(compose(["step=ppo", "step.reward_model_weight=0"]))
+    with pytest.raises(ConfigError, match="needs critic.path or reward.path"):
+        run(compose(["step=ppo", "run_dir=/tmp/never-written"]))
+
+
+def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
+    overrides = ["pipeline=e2e", *QUIET, f"run_dir={tmp_path}",
+                 # Per-step overrides are lists of override strings; Hydra needs each one quoted.
+                 "pipeline.sft=['step.max_steps=10']",
+                 "pipeline.reward=['step.max_steps=10','step.rule_check_answers=0']",
+                 "pipeline.ppo=['step.max_steps=2','step.rollout_batch_size_per_device=16',"
+                 "'step.micro_batch_size_per_device=8','step.eval_prompts=16']"]
+    first = run(compose(overrides), overrides=overrides)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert list(manifest["steps"]) == ["sft", "reward", "ppo"]
+    ppo_overrides = manifest["steps"]["ppo"]["overrides"]
+    assert f"actor.path={tmp_path / 'sft' / 'model'}" in ppo_overrides
+    assert f"critic.path={tmp_path / 'reward' / 'model'}" in ppo_overrides
+    out = capsys.readouterr().out
+    assert "Finished Step 1 (SFT) in" in out and "Finished Step 3 (PPO) in" in out
+    assert (tmp_path / "ppo" / "model" / "config.json").exists()
+
+    again = run(compose(overrides), overrides=overrides)
+    out = capsys.readouterr().out
+    for title in ("Step 1 (SFT)", "Step 2 (reward model)", "Step 3 (PPO)"):
+        assert f"{title}: finished output at" in out and "skipping" in out
+    assert again["outputs"] == first["outputs"]
+
+
+def test_chat_cli_answers_clears_and_quits(sft_and_reward):
+    sft, _ = sft_and_reward
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "rlhf.chat", "--path", str(sft), "--max-new-tokens", "6"],
+                          input="sort d b a c\nclear\nsort z y x w\nquit\nnever read\n", capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("Assistant:") == 2 and "(conversation cleared)" in proc.stdout
+
+
+def test_chat_cli_refuses_a_folder_without_a_causal_lm(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rlhf.chat", "--path", str(tmp_path)], input="quit\n",
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0 and "cannot load a causal LM" in proc.stderr
