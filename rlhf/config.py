@@ -369,6 +369,8 @@ class PPOStepConfig(StepConfig):
     max_prompt_len: int = 32
     # Longest answer in tokens (generation stops at eos or here).
     max_new_tokens: int = 8
+    # Shortest answer in tokens (eos is suppressed before it); 0: none. Benchmarks use it for fixed lengths.
+    min_new_tokens: int = 0
     # Sample (true) or decode greedily (false) during rollouts.
     do_sample: bool = True
     # Sampling temperature; log-probs are computed on logits / temperature to match the sampler.
@@ -431,7 +433,7 @@ class PPOStepConfig(StepConfig):
             _positive(f"step.{key}", getattr(self, key))
         for key in ("kl_coef", "reward_clip", "reward_model_weight", "reward_fn_weight", "gamma", "lam",
                     "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
-                    "top_k", "eval_prompts"):
+                    "top_k", "eval_prompts", "min_new_tokens"):
             _positive(f"step.{key}", getattr(self, key), allow_zero=True)
         _choice("step.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice("step.advantage_estimator", self.advantage_estimator, ("gae", "grpo"))
@@ -449,6 +451,8 @@ class PPOStepConfig(StepConfig):
         if self.global_batch_size is not None:
             raise ConfigError("step.global_batch_size is not used by PPO; set step.rollout_batch_size_per_device, "
                               "step.micro_batch_size_per_device and step.gradient_accumulation_steps")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"step.min_new_tokens={self.min_new_tokens} exceeds step.max_new_tokens={self.max_new_tokens}")
         if self.ema_decay >= 1.0:
             raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
 
@@ -470,6 +474,9 @@ class RoleConfig:
 class PipelineConfig:
     # Steps run in order, each step's output feeding the next; empty: run the one step in `step`.
     steps: list[str] = field(default_factory=list)
+    # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
+    # (DeepSpeed-Chat's: a separate, smaller base model).
+    reward_from_sft: bool = False
     # Extra overrides for each step of the chain (on top of the command line's).
     sft: list[str] = field(default_factory=list)
     reward: list[str] = field(default_factory=list)

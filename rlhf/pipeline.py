@@ -51,6 +51,8 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
     for name in schema.pipeline.steps:
         step_dir = chain_dir / name
         extra = list(getattr(schema.pipeline, name))
+        if name == "reward" and schema.pipeline.reward_from_sft and "sft" in outputs:
+            extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
         if name == "ppo":
             if "sft" in outputs:
                 extra.append(f"actor.path={outputs['sft']}")

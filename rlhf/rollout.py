@@ -60,7 +60,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+             top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0) -> torch.Tensor:
     """Answers (response tokens only) for a left-padded prompt batch; stops at eos."""
     actor.eval()
     zero3 = actor.zero_optimization_stage() == 3
@@ -72,7 +72,7 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
             input_ids=batch["input_ids"].to(actor.device), attention_mask=batch["attention_mask"].to(actor.device),
             do_sample=sample, temperature=temperature if sample else None,
             top_p=top_p if sample else None, top_k=(top_k or None) if sample else None,
-            max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, synced_gpus=zero3 and dist.get_world_size() > 1)
     actor.train()
     return out[:, batch["input_ids"].shape[1]:]

@@ -5,8 +5,8 @@ Every row is in DeepSpeed-Chat's columns (prompt, chosen, rejected) with prompts
 reward model and PPO can be checked against the truth instead of against themselves.
 
 Rejected answers are hard near misses -- the right form with wrong content, the mistakes a half-
-trained policy makes (two letters swapped, the input echoed, one letter replaced) -- because a
-reward model trained on easy negatives is gamed by PPO.
+trained policy makes (a letter replaced or repeated, one dropped or added, two swapped, the input
+echoed) -- because a reward model trained on easy or unrepresentative negatives is gamed by PPO.
 
 Regenerate the shipped files (deterministic from the seed):
     python -m rlhf.data.synthetic --out data/synthetic
@@ -77,12 +77,20 @@ def rule_score(prompt: str, answer: str) -> float:
 
 
 # ------------------------------------------------------------------------------- near misses
+# Kinds of letter mistakes and how often each is drawn. Weighted like the mistakes a half-trained
+# policy really makes on the sort task (measured on a tiny SFT model sampling at temperature 0.7:
+# 55% a letter not in the input, 29% a repeated letter, 12% a wrong length, 1% a wrong order);
+# order mistakes stay in, since they are the hardest to tell from the right answer.
+LETTER_MISTAKES = {"replace": 4, "replace_two": 1, "duplicate": 3, "drop": 1, "insert": 1,
+                   "swap_adjacent": 2, "swap_any": 1, "echo": 1}
+
+
 def _letter_near_miss(rng: random.Random, args: list[str], right: list[str]) -> list[str]:
-    kinds = ["swap_adjacent", "swap_any", "replace", "duplicate"]
-    if args != right:
-        kinds.append("echo")
+    kinds = [k for k in LETTER_MISTAKES if k != "echo" or args != right]
+    weights = [LETTER_MISTAKES[k] for k in kinds]
+    foreign = [c for c in LETTERS if c not in args]
     while True:
-        kind = rng.choice(kinds)
+        kind = rng.choices(kinds, weights)[0]
         out = list(right)
         if kind == "swap_adjacent":
             i = rng.randrange(len(out) - 1)
@@ -91,10 +99,17 @@ def _letter_near_miss(rng: random.Random, args: list[str], right: list[str]) -> 
             i, j = rng.sample(range(len(out)), 2)
             out[i], out[j] = out[j], out[i]
         elif kind == "replace":
-            out[rng.randrange(len(out))] = rng.choice([c for c in LETTERS if c not in args])
+            out[rng.randrange(len(out))] = rng.choice(foreign)
+        elif kind == "replace_two":
+            for i in rng.sample(range(len(out)), 2):
+                out[i] = rng.choice(foreign)
         elif kind == "duplicate":
             i, j = rng.sample(range(len(out)), 2)
             out[j] = out[i]
+        elif kind == "drop":
+            del out[rng.randrange(len(out))]
+        elif kind == "insert":
+            out.insert(rng.randrange(len(out) + 1), rng.choice(LETTERS))
         else:
             out = list(args)
         if out != right:
@@ -165,7 +180,7 @@ def generate(task: str, n_train: int, n_eval: int, seed: int) -> dict[str, list[
 
 
 # Rows per task: sort is the default blend and the quality benchmarks' task, so it is the largest.
-SIZES = {"sort": (20000, 1000), "reverse": (10000, 1000), "add": (8000, 1000)}
+SIZES = {"sort": (40000, 1000), "reverse": (10000, 1000), "add": (8000, 1000)}
 
 
 def write(out: Path, seed: int = 0) -> None:

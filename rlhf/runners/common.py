@@ -5,12 +5,15 @@ Plain functions and one small class, no base runner: each runner still reads top
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.logging import MetricsLogger, peak_memory_gb, train_flops
 
@@ -82,3 +85,17 @@ def finite_or_raise(value: float, what: str, step: int) -> float:
     if not math.isfinite(value):
         raise FloatingPointError(f"{what} is {value} at optimizer step {step}")
     return value
+
+
+def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, last: dict, logger) -> dict:
+    """Save the model (HF format) and write final_metrics.json -- the marker of a finished step, so
+    it is written last."""
+    run_dir = Path(cfg.run_dir)
+    final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
+    if cfg.step.save_model:
+        save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
+        final["model_dir"] = str(run_dir / "model")
+    if rank == 0:
+        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
+    logger.close()
+    return final

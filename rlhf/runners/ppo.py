@@ -73,7 +73,7 @@ def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> d
 @torch.no_grad()
 def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments) -> dict:
     response = generate(actor, batch, tokenizer, step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature,
-                        step_cfg.top_p, step_cfg.top_k)
+                        step_cfg.top_p, step_cfg.top_k, step_cfg.min_new_tokens)
     t_generated = time.perf_counter()
     device = actor.device
     prompt_ids, prompt_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)

@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import losses, models
-from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -32,6 +31,7 @@ from rlhf.runners.common import (
     Throughput,
     count_params,
     eval_loader,
+    finish,
     finite_or_raise,
     open_logger,
     plan_steps,
@@ -197,11 +197,4 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
-    if step_cfg.save_model:
-        save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
-        final["model_dir"] = str(run_dir / "model")
-    if rank == 0:
-        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
-    logger.close()
-    return final
+    return finish(cfg, engine, tokenizer, rank, step, first, last, logger)

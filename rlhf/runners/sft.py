@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import models, rollout
-from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -30,6 +29,7 @@ from rlhf.runners.common import (
     Throughput,
     count_params,
     eval_loader,
+    finish,
     finite_or_raise,
     open_logger,
     plan_steps,
@@ -151,11 +151,4 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    final = {"step": step, **{f"{k}_before": v for k, v in first_eval.items()}, **last_eval}
-    if step_cfg.save_model:
-        save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
-        final["model_dir"] = str(run_dir / "model")
-    if rank == 0:
-        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
-    logger.close()
-    return final
+    return finish(cfg, engine, tokenizer, rank, step, first_eval, last_eval, logger)
