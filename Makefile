@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-run: install  ## the default job on CPU: SFT of a tiny random LLaMA on the shipped sort task
-	$(BIN)/python launch.py
+run: install  ## the default job on CPU: the whole chain (SFT -> reward -> PPO) on a tiny model
+	$(BIN)/python launch.py pipeline=e2e
 
 test: install  ## the test suite (CPU, a few minutes)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -31,8 +31,11 @@ test-all: install  ## the test suite including slow tests
 lint: install  ## ruff over the code
 	$(BIN)/ruff check rlhf tests bench launch.py
 
-bench: install  ## the SFT overhead benchmark (runner vs a bare torch loop)
+bench: install  ## every benchmark script (about 10 min on CPU); each prints one JSON line
 	$(BIN)/python bench/sft_overhead.py
+	$(BIN)/python bench/reward_quality.py
+	$(BIN)/python bench/ppo_step.py
+	$(BIN)/python bench/rlhf_quality.py
 
 data:  ## regenerate the shipped synthetic data (deterministic)
 	$(BIN)/python -m rlhf.data.synthetic --out data/synthetic

@@ -96,3 +96,11 @@ def test_frozen_engine_runs_forward_without_gradients(zero):
     ids = torch.tensor([tok(" Human: sort d b a c Assistant:").input_ids])
     with torch.no_grad():
         assert torch.allclose(engine(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
+
+
+def test_frozen_offload_keeps_parameters_in_host_memory_at_any_stage():
+    for zero in ("0", "2"):
+        cfg = to_schema(compose([f"zero={zero}"]))
+        block = ds_config(cfg, trainable=False, offload=True)["zero_optimization"]
+        assert block["stage"] == 3 and block["offload_param"]["device"] == "cpu"
+        assert ds_config(cfg, trainable=False)["zero_optimization"] == {"stage": 0}

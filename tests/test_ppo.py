@@ -33,10 +33,14 @@ def sft_and_reward(tmp_path_factory):
     return base / "sft" / "model", base / "reward" / "model"
 
 
-@pytest.mark.parametrize("zero", ["0", "3"])
-def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward, zero):
+@pytest.mark.parametrize("zero,extra", [
+    ("0", ["step.offload_reference=true", "step.offload_reward=true"]),
+    ("3", []),
+])
+def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward, zero, extra):
     sft, rm = sft_and_reward
-    final = run(compose([*PPO_FAST, f"zero={zero}", f"actor.path={sft}", f"critic.path={rm}", f"run_dir={tmp_path}"]))
+    final = run(compose([*PPO_FAST, f"zero={zero}", *extra, f"actor.path={sft}", f"critic.path={rm}",
+                         f"run_dir={tmp_path}"]))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if "policy_loss" in r]
     assert len(steps) == 3
@@ -53,7 +57,11 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
     before, after = load_file(sft / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (tmp_path / "critic" / "config.json").exists()
-    assert {"actor", "reference", "critic", "reward"} <= json.loads((tmp_path / "ds_config.json").read_text()).keys()
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert ds["actor"]["zero_optimization"]["stage"] == int(zero)
+    if extra:  # offloaded frozen roles live partitioned in host memory
+        assert ds["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+        assert ds["reward"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
 def test_ppo_with_rule_reward_grpo_and_ema(tmp_path, sft_and_reward):
