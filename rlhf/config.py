@@ -468,6 +468,15 @@ STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig, "reward": Rew
 class RoleConfig:
     # Checkpoint folder or hub id this role starts from; empty: the chain's output, else the model group.
     path: str = ""
+    # A conf/model file describing this role's architecture, for the memory pre-flight (e.g. opt-350m
+    # for DeepSpeed-Chat's critic); empty: the same as the model group.
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model and not (PROJECT_ROOT / "conf" / "model" / f"{self.model}.yaml").exists():
+            options = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "model").glob("*.yaml"))
+            raise ConfigError(f"<role>.model={self.model!r} (actor, critic or reward) is not a file in conf/model; choose one of "
+                              f"{', '.join(options)}")
 
 
 @dataclass
@@ -490,8 +499,21 @@ class PipelineConfig:
 # --------------------------------------------------------------------------- launch & logging
 @dataclass
 class LaunchConfig:
-    # Print the DeepSpeed config, batch arithmetic and launch command, then exit without training.
+    # Print the DeepSpeed config, batch arithmetic, launch command and memory table; train nothing.
     dry_run: bool = False
+    # Run even when the memory pre-flight says the run does not fit.
+    force: bool = False
+    # DeepSpeed hostfile ("host slots=N" per line); needed for more than one node.
+    hostfile: str = ""
+    # Address and port of rank 0 for multi-node runs; empty address: the launcher's default.
+    master_addr: str = ""
+    master_port: int = 29500
+
+    def __post_init__(self) -> None:
+        if self.hostfile and not os.path.exists(os.path.expanduser(self.hostfile)):
+            raise ConfigError(f"launch.hostfile={self.hostfile!r} does not exist")
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"launch.master_port={self.master_port} is not a port number")
 
 
 @dataclass
@@ -556,8 +578,11 @@ class Config:
         if self.model.random_init and self.step.max_seq_len > self.model.max_positions:
             raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
                               f"{self.model.max_positions}")
-        if self.hardware.precision == "fp16" and self.zero.offload_optimizer.device == "nvme":
-            pass  # valid; listed so the combination is a decision, not an accident
+        if self.step.name == "ppo" and self.model.random_init and \
+                self.step.max_prompt_len + self.step.max_new_tokens > self.model.max_positions:
+            raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = "
+                              f"{self.step.max_prompt_len + self.step.max_new_tokens} exceeds model.max_positions="
+                              f"{self.model.max_positions}")
 
 
 def register_configs() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import PROJECT_ROOT, Config, to_schema
+from rlhf.config import PROJECT_ROOT, Config, ConfigError, to_schema
 
 # Environment variables that could carry secrets are never written into the run directory.
 _SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
@@ -55,29 +55,94 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command:
                                                   "env": env}, indent=2))
 
 
+def role_model(name: str):
+    """A conf/model file as a ModelConfig (architecture numbers for sizing another role)."""
+    from rlhf.config import ModelConfig
+
+    node = OmegaConf.load(PROJECT_ROOT / "conf" / "model" / f"{name}.yaml")
+    node.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+
+
+def preflight(schema: Config, run_dir: Path) -> tuple[bool, str]:
+    """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text."""
+    from rlhf import memory
+    from rlhf.engine import ds_config
+
+    step = schema.step
+    lines = [f"== {step.name}: {schema.model.name} on {schema.hardware.name} "
+             f"({schema.hardware.nodes} node(s) x {schema.hardware.devices_per_node}), zero {schema.zero.stage}"
+             + (" + offload" if schema.zero.offload_optimizer.device != "none" else "")]
+    lines.append(f"batch: {step.micro_batch_size_per_device} micro x {schema.gradient_accumulation_steps} "
+                 f"accumulation x {schema.world_size} ranks = {schema.global_batch_size} "
+                 f"{ {'sft': 'sequences', 'reward': 'pairs', 'ppo': 'rollouts'}[step.name] } per optimizer step")
+    roles = {"sft": ["model"], "reward": ["reward"], "ppo": ["actor", "reference", "critic", "reward"]}[step.name]
+    if step.name == "ppo":
+        lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
+                     f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
+                     f"{step.ppo_epochs * step.rollout_batch_size_per_device // schema.global_batch_size * schema.world_size}"
+                     " optimizer steps each")
+        if step.reward_model_weight == 0:
+            roles.remove("reward")
+    frozen = {"reference": step.offload_reference if step.name == "ppo" else False,
+              "reward": step.offload_reward if step.name == "ppo" else False}
+    for role in roles:
+        trainable = role not in ("reference",) and not (role == "reward" and step.name == "ppo")
+        ds = ds_config(schema, trainable=trainable, offload=frozen.get(role, False) and not trainable)
+        lines.append(f"deepspeed config [{role}]: {json.dumps(ds)}")
+    cmd = launch_command(schema, run_dir) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
+    lines.append("launch: " + shlex.join(cmd))
+    critic = role_model(schema.critic.model) if schema.critic.model else None
+    estimate = memory.estimate(schema, critic)
+    fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
+    lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))
+    return fits, "\n".join(lines)
+
+
+def check_launchable(schema: Config) -> None:
+    """What only matters when ranks really start: hostfile for several nodes, enough devices."""
+    if schema.hardware.nodes > 1 and not schema.launch.hostfile:
+        raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
+    if schema.hardware.accelerator == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < schema.hardware.devices_per_node:
+            raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} but this machine has "
+                              f"{have} CUDA device(s); pick a smaller hardware preset")
+    elif schema.hardware.devices_per_node > (os.cpu_count() or 1):
+        raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} CPU ranks but this machine "
+                          f"has {os.cpu_count()} cores")
+
+
 def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] | None = None) -> dict:
-    """Compose-time checks -> run directory -> the step. Raises ConfigError for user errors."""
+    """Compose-time checks -> memory pre-flight -> run directory -> the step (or the chain).
+
+    Raises ConfigError for user errors, before anything is written or loaded.
+    """
     schema: Config = to_schema(cfg)  # every __post_init__ check, before any model or data loads
     if not cfg.run_dir:
         from hydra.core.hydra_config import HydraConfig
 
         cfg.run_dir = HydraConfig.get().runtime.output_dir
-        schema.run_dir = cfg.run_dir
-    run_dir = Path(schema.run_dir).resolve()
+    run_dir = Path(cfg.run_dir).resolve()
     cfg.run_dir = schema.run_dir = str(run_dir)
-    if schema.launch.dry_run:
-        from rlhf.engine import ds_config
-
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        print(f"batch: {schema.step.micro_batch_size_per_device} micro x {schema.gradient_accumulation_steps} "
-              f"accumulation x {schema.world_size} ranks = {schema.global_batch_size} rows per optimizer step")
-        print(json.dumps(ds_config(schema), indent=2))
-        return {}
-    write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
     from rlhf.pipeline import is_chain, run_chain
 
     if is_chain(cfg):
+        if not schema.launch.dry_run:
+            write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
         return run_chain(schema, overrides or [])
+    fits, report = preflight(schema, run_dir)
+    if schema.launch.dry_run:
+        print(report, flush=True)
+        return {"fits": fits}
+    if not fits and not schema.launch.force:
+        raise ConfigError(f"the run does not fit on {schema.hardware.name}:\n{report}\n"
+                          "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
+                          "launch.force=true to run anyway.")
+    check_launchable(schema)
+    write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         return launch_ranks(schema, run_dir)
     from rlhf.worker import main
@@ -102,13 +167,22 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 def launch_command(cfg: Config, run_dir: Path) -> list[str]:
     """The DeepSpeed launcher command that starts every rank on the resolved config."""
-    return ["deepspeed", "--no_local_rank", "--num_nodes", str(cfg.hardware.nodes),
-            "--num_gpus", str(cfg.hardware.devices_per_node), "--module", "rlhf.worker", str(run_dir / "config.yaml")]
+    cmd = ["deepspeed", "--num_nodes", str(cfg.hardware.nodes), "--num_gpus", str(cfg.hardware.devices_per_node)]
+    if cfg.launch.hostfile:
+        cmd += ["--hostfile", cfg.launch.hostfile]
+    if cfg.launch.master_addr:
+        cmd += ["--master_addr", cfg.launch.master_addr]
+    cmd += ["--master_port", str(cfg.launch.master_port), "--no_local_rank", "--module", "rlhf.worker",
+            str(run_dir / "config.yaml")]
+    return cmd
 
 
 def launch_ranks(cfg: Config, run_dir: Path) -> dict:
     cmd = launch_command(cfg, run_dir)
     print("launching:", shlex.join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=PROJECT_ROOT)
+    # Ranks must not inherit a single-process rendezvous (tests run steps in-process first).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    subprocess.run(cmd, check=True, cwd=PROJECT_ROOT, env=env)
     final = run_dir / "final_metrics.json"
     return json.loads(final.read_text()) if final.exists() else {}

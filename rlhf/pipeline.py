@@ -58,6 +58,9 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
                 extra.append(f"actor.path={outputs['sft']}")
             if "reward" in outputs:
                 extra.append(f"critic.path={outputs['reward']}")
+        if schema.launch.dry_run:
+            run(compose_config([f"step={name}", *extra, *base, f"run_dir={step_dir}"]))
+            continue
         if finished(step_dir):
             print(f"[e2e] {STEP_TITLES[name]}: finished output at {step_dir / 'model'}; skipping", flush=True)
             entry = manifest["steps"].get(name, {})
@@ -77,6 +80,8 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
         manifest["steps"][name] = entry
         _write_manifest(manifest_path, manifest)
 
+    if schema.launch.dry_run:
+        return {}
     print("[e2e] " + "-" * 60)
     for name in schema.pipeline.steps:
         entry = manifest["steps"][name]

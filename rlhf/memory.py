@@ -1,0 +1,165 @@
+"""Per-device memory pre-flight: model states, activations, KV cache and frozen models, per role.
+
+Model-state accounting follows DeepSpeed's own estimators
+(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``) for mixed
+precision: per trainable parameter 2 bytes of 16-bit weights plus 18 bytes on the optimizer side
+(16-bit and 32-bit gradients, 32-bit master weights, Adam's two moments), partitioned by stage;
+ZeRO-3 also holds the largest layer gathered (4 bytes per parameter). Activations follow Korthikanti
+et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): s*b*h*(34 + 5*a*s/h)
+bytes per layer in 16-bit, or the layer inputs only (2*s*b*h) under checkpointing; logits add
+b*s*V*(2 + 4) bytes. Generation's KV cache is 2 * layers * batch * length * hidden * bytes.
+
+    python launch.py experiment=opt-13b_8xa100-40g step=ppo launch.dry_run=true   # prints the table
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhf.config import Config, ModelConfig
+
+GIB = 2**30
+# Headroom for the CUDA context, allocator fragmentation and communication buffers.
+USABLE_FRACTION = 0.9
+
+
+def param_counts(m: ModelConfig, lora_rank: int = 0) -> tuple[int, int, int]:
+    """(total, largest layer, LoRA) parameter counts from the architecture numbers alone."""
+    h, f, v, n = m.hidden_size, m.ffn_size, m.vocab_size, m.num_layers
+    if m.family == "llama":  # q, k, v, o + gate, up, down; RMSNorm weights; untied head
+        layer = 4 * h * h + 3 * h * f + 2 * h
+        linears = 4 * (h + h) + 3 * (h + f)
+        embeddings = 2 * v * h + h
+    else:  # OPT-like: biased q, k, v, o + fc1, fc2; LayerNorms; learned positions; tied head
+        layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        linears = 4 * (h + h) + (h + f) + (f + h)
+        embeddings = v * h + m.max_positions * h + 2 * h
+    total = n * layer + embeddings
+    largest = max(layer, v * h)
+    lora = n * lora_rank * linears if lora_rank else 0
+    return total, largest, lora
+
+
+@dataclass
+class RoleMemory:
+    role: str
+    params: int
+    trainable: bool
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    kv_cache: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
+
+
+def model_states(total: int, largest: int, trainable: int, stage: int, world: int, precision: str,
+                 offload_optimizer: bool, offload_params: bool) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes on one device for one trainable model."""
+    half = precision in ("fp16", "bf16")
+    w_bytes = 2 if half else 4
+    # Optimizer side per trainable parameter: mixed precision 2 (16-bit grads) + 4 (32-bit grads)
+    # + 4 (master weights) + 8 (Adam); fp32: 4 (grads) + 8 (Adam).
+    # Under ZeRO-3 the 16-bit gradients are reduce-scattered as they are produced, so only the
+    # 32-bit partition stays (DeepSpeed's 18 bytes at stage 3 = 2 weights + 16 optimizer side).
+    grad_bytes = (4 if stage == 3 else 6) if half else 4
+    opt_bytes = 12 if half else 8
+    weights = w_bytes * total
+    grads = grad_bytes * trainable
+    opt = opt_bytes * trainable
+    if stage >= 1:
+        opt /= world
+    if stage >= 2:
+        grads /= world
+    if stage == 3:
+        weights = w_bytes * total / world + 4 * largest  # the gathered working set
+    if offload_optimizer:  # ZeRO-Offload: gradients and optimizer states live in host memory
+        grads = opt = 0.0
+    if offload_params and stage == 3:
+        weights = 4 * largest
+    return weights, grads, opt
+
+
+def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, precision: str) -> float:
+    h, a, n, v = m.hidden_size, m.num_heads, m.num_layers, m.vocab_size
+    scale = 1 if precision in ("fp16", "bf16") else 2
+    per_layer_full = seq * batch * h * (34 + 5 * a * seq / h)
+    if checkpointing:
+        layers = n * 2 * seq * batch * h + per_layer_full  # saved inputs + one layer recomputed at a time
+    else:
+        layers = n * per_layer_full
+    logits = batch * seq * v * (2 + 4)
+    return scale * layers + logits
+
+
+def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> float:
+    return 2 * m.num_layers * batch * length * m.hidden_size * (2 if precision in ("fp16", "bf16") else 4)
+
+
+def estimate(cfg: Config, critic_model: ModelConfig | None = None) -> list[RoleMemory]:
+    """Memory of every role of the run's step on one device."""
+    world, stage, precision = cfg.world_size, cfg.zero.stage, cfg.hardware.precision
+    offload_opt = cfg.zero.offload_optimizer.device != "none"
+    offload_par = cfg.zero.offload_param.device != "none"
+    step = cfg.step
+    micro = step.micro_batch_size_per_device
+
+    def trainable_role(name: str, m: ModelConfig, lora: int, batch: int, seq: int) -> RoleMemory:
+        total, largest, lora_params = param_counts(m, lora)
+        trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
+        r = RoleMemory(name, total + lora_params, True)
+        r.weights, r.gradients, r.optimizer = model_states(total + lora_params, largest, trainable, stage, world,
+                                                           precision, offload_opt, offload_par)
+        r.activations = activation_bytes(m, batch, seq, step.gradient_checkpointing, precision)
+        if lora:
+            r.notes.append(f"LoRA rank {lora}: {trainable / 1e6:.1f}M trainable")
+        return r
+
+    def frozen_role(name: str, m: ModelConfig, offload: bool) -> RoleMemory:
+        total, largest, _ = param_counts(m)
+        w_bytes = 2 if precision in ("fp16", "bf16") else 4
+        r = RoleMemory(name, total, False)
+        if offload:
+            r.weights, r.notes = 4 * largest, ["parameters in host memory"]
+        elif stage == 3:
+            r.weights = w_bytes * total / world + 4 * largest
+        else:
+            r.weights = w_bytes * total
+        return r
+
+    if step.name == "sft":
+        return [trainable_role("model", cfg.model, cfg.lora.rank, micro, step.max_seq_len)]
+    if step.name == "reward":
+        return [trainable_role("reward", cfg.model, cfg.lora.rank, 2 * micro, step.max_seq_len)]
+    critic = critic_model or cfg.model
+    seq = step.max_prompt_len + step.max_new_tokens
+    actor = trainable_role("actor", cfg.model, cfg.lora.rank, micro, seq)
+    actor.kv_cache = kv_cache_bytes(cfg.model, step.rollout_batch_size_per_device, seq, precision)
+    return [actor, frozen_role("reference", cfg.model, step.offload_reference),
+            trainable_role("critic", critic, 0, micro, seq),
+            frozen_role("reward", critic, step.offload_reward) if step.reward_model_weight > 0 else None]
+
+
+def verdict(roles: list[RoleMemory | None], memory_gb: float) -> tuple[bool, str]:
+    roles = [r for r in roles if r is not None]
+    total = sum(r.total for r in roles) / GIB
+    budget = memory_gb * USABLE_FRACTION
+    fits = total <= budget
+    word = "fits" if fits else "does not fit"
+    return fits, f"{total:.1f} GiB of {memory_gb:g} GiB per device ({budget:.1f} usable): {word}"
+
+
+def table(roles: list[RoleMemory | None], memory_gb: float) -> str:
+    roles = [r for r in roles if r is not None]
+    head = f"{'role':<10}{'params':>10}{'weights':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'kv':>10}{'total':>10}  GiB"
+    lines = [head]
+    for r in roles:
+        cols = [r.weights, r.gradients, r.optimizer, r.activations, r.kv_cache, r.total]
+        lines.append(f"{r.role:<10}{r.params / 1e9:>9.2f}B" + "".join(f"{c / GIB:>10.2f}" for c in cols)
+                     + (f"  ({'; '.join(r.notes)})" if r.notes else ""))
+    lines.append("memory: " + verdict(roles, memory_gb)[1])
+    return "\n".join(lines)
