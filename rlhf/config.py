@@ -361,6 +361,8 @@ class PPOStepConfig(StepConfig):
     name: str = "ppo"
     # Prompts each device generates answers for per PPO step (the rollout batch).
     rollout_batch_size_per_device: int = 64
+    # Rollouts generated per generate call (bounds the KV cache); 0: the whole rollout batch at once.
+    generation_batch_size_per_device: int = 0
     # Answers sampled per prompt (> 1 for group-normalized advantages).
     samples_per_prompt: int = 1
     # Passes of PPO updates over each rollout batch.
@@ -433,7 +435,7 @@ class PPOStepConfig(StepConfig):
             _positive(f"step.{key}", getattr(self, key))
         for key in ("kl_coef", "reward_clip", "reward_model_weight", "reward_fn_weight", "gamma", "lam",
                     "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
-                    "top_k", "eval_prompts", "min_new_tokens"):
+                    "top_k", "eval_prompts", "min_new_tokens", "generation_batch_size_per_device"):
             _positive(f"step.{key}", getattr(self, key), allow_zero=True)
         _choice("step.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice("step.advantage_estimator", self.advantage_estimator, ("gae", "grpo"))

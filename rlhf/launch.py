@@ -183,6 +183,9 @@ def launch_ranks(cfg: Config, run_dir: Path) -> dict:
     # Ranks must not inherit a single-process rendezvous (tests run steps in-process first).
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    subprocess.run(cmd, check=True, cwd=PROJECT_ROOT, env=env)
+    # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
+    runner = Path(sys.executable).parent / "deepspeed"
+    exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    subprocess.run([*exe, *cmd[1:]], check=True, cwd=PROJECT_ROOT, env=env)
     final = run_dir / "final_metrics.json"
     return json.loads(final.read_text()) if final.exists() else {}

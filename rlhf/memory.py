@@ -5,9 +5,11 @@ Model-state accounting follows DeepSpeed's own estimators
 precision: per trainable parameter 2 bytes of 16-bit weights plus 18 bytes on the optimizer side
 (16-bit and 32-bit gradients, 32-bit master weights, Adam's two moments), partitioned by stage;
 ZeRO-3 also holds the largest layer gathered (4 bytes per parameter). Activations follow Korthikanti
-et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): s*b*h*(34 + 5*a*s/h)
-bytes per layer in 16-bit, or the layer inputs only (2*s*b*h) under checkpointing; logits add
-b*s*V*(2 + 4) bytes. Generation's KV cache is 2 * layers * batch * length * hidden * bytes.
+et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): 34*s*b*h bytes per
+layer in 16-bit -- their 5*a*s^2*b term for attention scores is left out because transformers'
+default SDPA attention never materializes the score matrix -- or the layer inputs only (2*s*b*h)
+under checkpointing; a language-model head adds b*s*V*(2 + 4) bytes of logits (scalar-head reward
+models and critics have none). Generation's KV cache is 2 * layers * batch * length * hidden * bytes.
 
     python launch.py experiment=opt-13b_8xa100-40g step=ppo launch.dry_run=true   # prints the table
 """
@@ -84,15 +86,16 @@ def model_states(total: int, largest: int, trainable: int, stage: int, world: in
     return weights, grads, opt
 
 
-def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, precision: str) -> float:
-    h, a, n, v = m.hidden_size, m.num_heads, m.num_layers, m.vocab_size
+def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, precision: str,
+                     lm_head: bool = True) -> float:
+    h, n, v = m.hidden_size, m.num_layers, m.vocab_size
     scale = 1 if precision in ("fp16", "bf16") else 2
-    per_layer_full = seq * batch * h * (34 + 5 * a * seq / h)
+    per_layer_full = 34 * seq * batch * h
     if checkpointing:
         layers = n * 2 * seq * batch * h + per_layer_full  # saved inputs + one layer recomputed at a time
     else:
         layers = n * per_layer_full
-    logits = batch * seq * v * (2 + 4)
+    logits = batch * seq * v * (2 + 4) if lm_head else 0
     return scale * layers + logits
 
 
@@ -108,13 +111,13 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None) -> list[RoleM
     step = cfg.step
     micro = step.micro_batch_size_per_device
 
-    def trainable_role(name: str, m: ModelConfig, lora: int, batch: int, seq: int) -> RoleMemory:
+    def trainable_role(name: str, m: ModelConfig, lora: int, batch: int, seq: int, lm_head: bool) -> RoleMemory:
         total, largest, lora_params = param_counts(m, lora)
         trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
         r = RoleMemory(name, total + lora_params, True)
         r.weights, r.gradients, r.optimizer = model_states(total + lora_params, largest, trainable, stage, world,
                                                            precision, offload_opt, offload_par)
-        r.activations = activation_bytes(m, batch, seq, step.gradient_checkpointing, precision)
+        r.activations = activation_bytes(m, batch, seq, step.gradient_checkpointing, precision, lm_head)
         if lora:
             r.notes.append(f"LoRA rank {lora}: {trainable / 1e6:.1f}M trainable")
         return r
@@ -132,15 +135,16 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None) -> list[RoleM
         return r
 
     if step.name == "sft":
-        return [trainable_role("model", cfg.model, cfg.lora.rank, micro, step.max_seq_len)]
+        return [trainable_role("model", cfg.model, cfg.lora.rank, micro, step.max_seq_len, True)]
     if step.name == "reward":
-        return [trainable_role("reward", cfg.model, cfg.lora.rank, 2 * micro, step.max_seq_len)]
+        return [trainable_role("reward", cfg.model, cfg.lora.rank, 2 * micro, step.max_seq_len, False)]
     critic = critic_model or cfg.model
     seq = step.max_prompt_len + step.max_new_tokens
-    actor = trainable_role("actor", cfg.model, cfg.lora.rank, micro, seq)
-    actor.kv_cache = kv_cache_bytes(cfg.model, step.rollout_batch_size_per_device, seq, precision)
+    actor = trainable_role("actor", cfg.model, cfg.lora.rank, micro, seq, True)
+    generating = step.generation_batch_size_per_device or step.rollout_batch_size_per_device
+    actor.kv_cache = kv_cache_bytes(cfg.model, generating, seq, precision)
     return [actor, frozen_role("reference", cfg.model, step.offload_reference),
-            trainable_role("critic", critic, 0, micro, seq),
+            trainable_role("critic", critic, 0, micro, seq, False),
             frozen_role("reward", critic, step.offload_reward) if step.reward_model_weight > 0 else None]
 
 

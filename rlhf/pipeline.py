@@ -48,7 +48,12 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
     base = [o.lstrip("+") for o in overrides if not o.lstrip("+~").startswith(_CHAIN_KEYS)]
     outputs: dict[str, str] = {}
     results: dict[str, dict] = {}
-    for name in schema.pipeline.steps:
+    steps = list(schema.pipeline.steps)
+    # `step=ppo` on the command line of a chain (an experiment file) runs that one step of it.
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("step=")]
+    if chosen:
+        steps = [s for s in steps if s in chosen]
+    for name in steps:
         step_dir = chain_dir / name
         extra = list(getattr(schema.pipeline, name))
         if name == "reward" and schema.pipeline.reward_from_sft and "sft" in outputs:
@@ -58,8 +63,10 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
                 extra.append(f"actor.path={outputs['sft']}")
             if "reward" in outputs:
                 extra.append(f"critic.path={outputs['reward']}")
+        # An experiment file may define the chain itself; each step's own config must not be a chain.
+        step_overrides = [f"step={name}", *extra, *base, "pipeline.steps=[]", f"run_dir={step_dir}"]
         if schema.launch.dry_run:
-            run(compose_config([f"step={name}", *extra, *base, f"run_dir={step_dir}"]))
+            run(compose_config(step_overrides))
             continue
         if finished(step_dir):
             print(f"[e2e] {STEP_TITLES[name]}: finished output at {step_dir / 'model'}; skipping", flush=True)
@@ -68,7 +75,6 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
             results[name] = json.loads((step_dir / "final_metrics.json").read_text())
         else:
             # The chain's per-step settings first, the command line last: what the user typed wins.
-            step_overrides = [f"step={name}", *extra, *base, f"run_dir={step_dir}"]
             print(f"[e2e] {STEP_TITLES[name]}: python launch.py {' '.join(step_overrides)}", flush=True)
             start = time.perf_counter()
             results[name] = run(compose_config(step_overrides), overrides=step_overrides)
@@ -83,7 +89,7 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
     if schema.launch.dry_run:
         return {}
     print("[e2e] " + "-" * 60)
-    for name in schema.pipeline.steps:
+    for name in steps:
         entry = manifest["steps"][name]
         took = str(dt.timedelta(seconds=round(entry.get("seconds", 0))))
         print(f"[e2e] Finished {STEP_TITLES[name]} in {took}" + (" (earlier run)" if entry.get("skipped_on_rerun")

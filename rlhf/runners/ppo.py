@@ -72,8 +72,14 @@ def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> d
 
 @torch.no_grad()
 def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments) -> dict:
-    response = generate(actor, batch, tokenizer, step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature,
-                        step_cfg.top_p, step_cfg.top_k, step_cfg.min_new_tokens)
+    chunk = step_cfg.generation_batch_size_per_device or batch["input_ids"].shape[0]
+    pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
+                       step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
+                       step_cfg.top_k, step_cfg.min_new_tokens)
+              for i in range(0, batch["input_ids"].shape[0], chunk)]
+    width = max(p.shape[1] for p in pieces)  # chunks may stop at different lengths; pad after their eos
+    response = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id)
+                          for p in pieces])
     t_generated = time.perf_counter()
     device = actor.device
     prompt_ids, prompt_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)

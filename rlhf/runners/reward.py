@@ -33,6 +33,7 @@ from rlhf.runners.common import (
     eval_loader,
     finish,
     finite_or_raise,
+    mean_over_ranks,
     open_logger,
     plan_steps,
     train_loader,
@@ -181,7 +182,7 @@ def run(cfg: Config) -> dict:
             bar.update(1)
             if step % step_cfg.log_every_steps == 0 or step == total_steps:
                 n = meter.micro
-                metrics = {k: v / n for k, v in window.items()}
+                metrics = mean_over_ranks({k: v / n for k, v in window.items()})
                 metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(cfg.global_batch_size))
                 logger.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")

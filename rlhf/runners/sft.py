@@ -31,6 +31,7 @@ from rlhf.runners.common import (
     eval_loader,
     finish,
     finite_or_raise,
+    mean_over_ranks,
     open_logger,
     plan_steps,
     train_loader,
@@ -123,7 +124,7 @@ def run(cfg: Config) -> dict:
             step += 1
             bar.update(1)
             if step % step_cfg.log_every_steps == 0 or step == total_steps:
-                metrics = {"loss": window_loss / meter.micro, "lr": engine.get_lr()[0], "epoch": epoch,
+                metrics = {**mean_over_ranks({"loss": window_loss / meter.micro}), "lr": engine.get_lr()[0], "epoch": epoch,
                            **meter.summary(cfg.global_batch_size)}
                 logger.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")

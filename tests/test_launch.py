@@ -1,0 +1,146 @@
+"""Hardware presets, experiment files, the dry-run and memory pre-flight, and real 2-rank CPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlhf import memory
+from rlhf.config import ConfigError, to_schema
+from rlhf.engine import ds_config
+from rlhf.launch import role_model, run
+from tests.conftest import ROOT, compose
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=CLEAN_ENV)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_required_presets_and_experiments_exist():
+    presets = {p.stem for p in (ROOT / "conf" / "hardware").glob("*.yaml")}
+    assert {"cpu", "cpu-2rank", "a6000", "a100-40g", "a100-80g", "8xa100-40g", "8xa100-80g", "64xa100-80g",
+            "h100-80g", "8xh100-80g"} <= presets
+    assert {"opt-1.3b_a6000", "opt-13b_8xa100-40g", "opt-66b_64xa100-80g"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_dry_runs_with_consistent_batches_and_fits(name, tmp_path, capsys):
+    overrides = [f"experiment={name}", "launch.dry_run=true", f"run_dir={tmp_path}"]
+    cfg = compose(overrides)
+    assert run(cfg, overrides=overrides) == {}
+    out = capsys.readouterr().out
+    assert not (tmp_path / "config.yaml").exists(), "a dry-run writes nothing"
+    for step in cfg.pipeline.steps:
+        assert f"== {step}:" in out
+        step_cfg = to_schema(compose([f"step={step}", *cfg.pipeline[step], f"experiment={name}", "pipeline.steps=[]"]))
+        ds = ds_config(step_cfg)
+        assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+                                          * step_cfg.hardware.nodes * step_cfg.hardware.devices_per_node)
+        critic = role_model(step_cfg.critic.model) if step_cfg.critic.model else None
+        fits, line = memory.verdict(memory.estimate(step_cfg, critic), step_cfg.hardware.memory_per_device_gb)
+        assert fits, f"{name} {step}: {line}"
+
+
+def test_cli_dry_run_of_66b_prints_an_8_node_deepspeed_command():
+    proc = _launch("experiment=opt-66b_64xa100-80g", "launch.dry_run=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "deepspeed --num_nodes 8 --num_gpus 8" in proc.stdout
+    assert proc.stdout.count("memory: ") == 3 and "does not fit" not in proc.stdout
+
+
+def test_cli_refuses_13b_full_finetune_on_one_a6000(tmp_path):
+    proc = _launch("step=sft", "model=opt-13b", "hardware=a6000", "zero=0", f"run_dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "does not fit" in proc.stderr and "role" in proc.stderr and "weights" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "config.yaml").exists()
+
+
+def test_force_lets_a_run_past_the_verdict():
+    cfg = to_schema(compose(["step=sft", "model=opt-13b", "hardware=a6000", "zero=0", "launch.force=true"]))
+    assert cfg.launch.force
+
+
+@pytest.mark.parametrize("model", ["opt-1.3b", "llama2-7b", "opt-13b"])
+@pytest.mark.parametrize("stage,offload", [(2, False), (2, True), (3, False), (3, True)])
+def test_model_states_match_deepspeed_estimators(model, stage, offload):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    m = role_model(model)
+    total, largest, _ = memory.param_counts(m)
+    ours = sum(memory.model_states(total, largest, total, stage, 8, "fp16", offload, offload))
+    if stage == 2:
+        _, theirs = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=8, cpu_offload=offload)
+    else:
+        _, theirs, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=8, cpu_offload=offload,
+                                                             cpu_offload_params=offload)
+    assert ours == pytest.approx(theirs, rel=0.10)
+
+
+def test_parameter_counts_match_the_published_sizes():
+    expected = {"opt-125m": 125e6, "opt-1.3b": 1.3e9, "opt-13b": 13e9, "opt-66b": 66e9, "llama2-7b": 6.74e9,
+                "llama2-13b": 13.0e9}
+    for name, size in expected.items():
+        assert memory.param_counts(role_model(name))[0] == pytest.approx(size, rel=0.06), name
+
+
+def test_launch_bad_inputs_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="launch.hostfile='/no/such/hostfile' does not exist"):
+        to_schema(compose(["launch.hostfile=/no/such/hostfile"]))
+    with pytest.raises(ConfigError, match="hardware.nodes=8 needs launch.hostfile"):
+        run(compose(["hardware=64xa100-80g", "model=opt-125m", "zero=3", "launch.force=true",
+                     f"run_dir={tmp_path}"]))
+    with pytest.raises(ConfigError, match="hardware.devices_per_node=512 CPU ranks but this machine has"):
+        run(compose(["hardware.devices_per_node=512", f"run_dir={tmp_path}"]))
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def _losses(path) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(path / "metrics.jsonl") if '"loss"' in line]
+
+
+def test_two_cpu_ranks_sft_zero3_matches_one_rank_with_the_same_global_batch(tmp_path):
+    common = ["step=sft", "zero=3", "step.max_steps=5", "step.log_every_steps=1", "logging.progress_bar=false",
+              "data.max_eval_samples=32", "step.save_model=false"]
+    proc = _launch(*common, "hardware=cpu-2rank", f"launch.master_port={_free_port()}", f"run_dir={tmp_path / 'two'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "deepspeed --num_nodes 1 --num_gpus 2" in proc.stdout
+    run(compose([*common, "step.gradient_accumulation_steps=2", f"run_dir={tmp_path / 'one'}"]))
+    two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(two) == len(one) == 5
+    # Same 32 rows per optimizer step, split across ranks instead of accumulated.
+    assert two == pytest.approx(one, rel=1e-4)
+
+
+def test_two_cpu_ranks_run_a_ppo_step(tmp_path):
+    quiet = ["logging.progress_bar=false", "data.max_eval_samples=32"]
+    run(compose(["step=sft", "step.max_steps=10", *quiet, f"run_dir={tmp_path / 'sft'}"]))
+    run(compose(["step=reward", "step.max_steps=10", "step.rule_check_answers=0", *quiet,
+                 f"run_dir={tmp_path / 'rm'}"]))
+    proc = _launch("step=ppo", "hardware=cpu-2rank", "step.max_steps=1", "step.rollout_batch_size_per_device=8",
+                   "step.micro_batch_size_per_device=8", "step.eval_prompts=8", "step.eval_micro_batch_size_per_device=8",
+                   f"actor.path={tmp_path / 'sft' / 'model'}", f"critic.path={tmp_path / 'rm' / 'model'}", *quiet,
+                   f"launch.master_port={_free_port()}", f"run_dir={tmp_path / 'ppo'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())
+    assert final["step"] == 1 and final["reference_weight_change"] == 0.0 and final["actor_weight_change"] > 0
+    row = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl") if "samples_per_s" in line][0]
+    assert OmegaConf.load(tmp_path / "ppo" / "config.yaml").hardware.devices_per_node == 2
+    assert row["samples_per_s"] > 0
