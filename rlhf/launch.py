@@ -99,9 +99,21 @@ def preflight(schema: Config, run_dir: Path) -> tuple[bool, str]:
     return fits, "\n".join(lines)
 
 
+def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:
+    """Inside a SLURM allocation, the DeepSpeed hostfile of its nodes (written into the run directory)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()
+    path = run_dir / "hostfile"
+    path.write_text("".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
+    return str(path)
+
+
 def check_launchable(schema: Config) -> None:
     """What only matters when ranks really start: hostfile for several nodes, enough devices."""
-    if schema.hardware.nodes > 1 and not schema.launch.hostfile:
+    if schema.hardware.nodes > 1 and not schema.launch.hostfile and not os.environ.get("SLURM_JOB_NODELIST"):
         raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
     if schema.hardware.accelerator == "cuda":
         import torch
@@ -144,6 +156,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
     check_launchable(schema)
     write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
+        if schema.hardware.nodes > 1 and not schema.launch.hostfile:
+            schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""
         return launch_ranks(schema, run_dir)
     from rlhf.worker import main
 

@@ -144,3 +144,18 @@ def test_two_cpu_ranks_run_a_ppo_step(tmp_path):
     row = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl") if "samples_per_s" in line][0]
     assert OmegaConf.load(tmp_path / "ppo" / "config.yaml").hardware.devices_per_node == 2
     assert row["samples_per_s"] > 0
+
+
+def test_slurm_launcher_is_sized_from_the_preset():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from rlhf.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = hydra_compose("config", overrides=["hydra/launcher=slurm", "experiment=opt-66b_64xa100-80g"],
+                            return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.nodes == 8 and launcher.gpus_per_node == 8 and launcher.tasks_per_node == 1
+    assert "SlurmLauncher" in launcher._target_
