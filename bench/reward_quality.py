@@ -1,7 +1,7 @@
 """Reward-model quality on the shipped task, measured against the rule (not against itself).
 
-Trains the reward step (default: tiny-opt, 3 epochs over the 8000 reward pairs of the sort task,
-about two minutes on one CPU core) and prints one JSON line: held-out accuracy on the hard
+Trains the reward step (default: tiny-opt from random weights, 3 epochs over the 16000 reward pairs
+of the sort task, about three minutes on one CPU core) and prints one JSON line: held-out accuracy on the hard
 near-miss pairs, agreement with the rule on the right answer vs several near misses per held-out
 prompt (and the AUC of the scores against the rule across prompts), score means, and wall time.
 Target: held-out accuracy >= 0.97 (0.98 stretch). A prototype found reward models at
