@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: help install run test test-all lint bench data
+.PHONY: help install run test test-all lint bench data sweep-demo
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ bench: install  ## every benchmark script (about 10 min on CPU); each prints one
 	$(BIN)/python bench/reward_quality.py
 	$(BIN)/python bench/ppo_step.py
 	$(BIN)/python bench/rlhf_quality.py
+
+sweep-demo: install  ## a tiny 4-job grid on CPU; writes multirun/sft_demo/results.{csv,md,png}
+	$(BIN)/python launch.py -m sweep=sft_demo
 
 data:  ## regenerate the shipped synthetic data (deterministic)
 	$(BIN)/python -m rlhf.data.synthetic --out data/synthetic

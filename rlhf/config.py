@@ -526,6 +526,8 @@ class LoggingConfig:
     wandb: bool = False
     # Weights & Biases project.
     wandb_project: str = "rlhf"
+    # Weights & Biases group: one per sweep, so its runs compare side by side; empty: none.
+    wandb_group: str = ""
 
 
 # ------------------------------------------------------------------------------------ the run

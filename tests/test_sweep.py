@@ -1,0 +1,57 @@
+"""Sweeps: result tables and plot, failed jobs recorded without stopping the sweep, reruns that skip
+finished jobs, an Optuna search, and wandb's offline files."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+from rlhf.launch import run
+from tests.conftest import ROOT, compose
+
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+
+
+def _multirun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=CLEAN_ENV)
+
+
+def test_grid_records_a_failed_job_writes_tables_and_a_rerun_skips_finished_jobs(tmp_path):
+    args = ["optim.scheduler=cosine,linear,constant,cosin", "step.max_steps=5", "data.max_eval_samples=32",
+            "logging.progress_bar=false", "step.save_model=false", f"hydra.sweep.dir={tmp_path}",
+            "hydra.sweep.subdir=${hydra:job.override_dirname}"]
+    proc = _multirun(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed"]
+    assert "optim.scheduler='cosin' is not allowed" in rows[-1]["error"]
+    assert float(rows[0]["objective (eval/ppl, min)"]) <= float(rows[1]["objective (eval/ppl, min)"])
+    assert (tmp_path / "results.md").exists() and (tmp_path / "results.png").stat().st_size > 1000
+
+    again = _multirun(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("finished before; skipping") == 3
+    assert "optim.scheduler='cosin' is not allowed" in again.stderr  # the failed job is tried again
+
+
+def test_optuna_sweep_runs_three_trials(tmp_path):
+    proc = _multirun("sweep=reward_optuna", "hydra.sweeper.n_trials=3", "step.max_steps=5",
+                     "data.max_eval_samples=32", "step.save_model=false", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert len(rows) == 3 and all(r["status"] == "ok" for r in rows)
+    assert (tmp_path / "optimization_results.yaml").exists()
+
+
+def test_wandb_offline_files_hold_the_logged_metrics(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run(compose(["step.max_steps=4", "step.log_every_steps=2", "data.max_eval_samples=32", "logging.wandb=true",
+                 "logging.progress_bar=false", "step.save_model=false", f"run_dir={tmp_path}"]))
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    data = files[0].read_bytes()
+    assert b"loss" in data and b"eval/ppl" in data and b"tokens_per_s" in data
