@@ -528,6 +528,8 @@ class LoggingConfig:
     wandb_project: str = "rlhf"
     # Weights & Biases group: one per sweep, so its runs compare side by side; empty: none.
     wandb_group: str = ""
+    # Also write TensorBoard event files into RUN_DIR/tensorboard.
+    tensorboard: bool = False
 
 
 # ------------------------------------------------------------------------------------ the run

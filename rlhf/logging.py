@@ -19,11 +19,16 @@ import torch
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, enabled: bool, wandb_cfg: dict | None = None):
+    def __init__(self, run_dir: str | Path, enabled: bool, wandb_cfg: dict | None = None, tensorboard: bool = False):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = open(self.path, "a") if enabled else None
         self._wandb = None
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
         if enabled and wandb_cfg:
             import wandb
 
@@ -42,10 +47,16 @@ class MetricsLogger:
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(row, step=step)
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "time") and isinstance(v, int | float):
+                    self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 

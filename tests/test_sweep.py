@@ -47,11 +47,14 @@ def test_optuna_sweep_runs_three_trials(tmp_path):
     assert (tmp_path / "optimization_results.yaml").exists()
 
 
-def test_wandb_offline_files_hold_the_logged_metrics(tmp_path, monkeypatch):
+def test_wandb_offline_and_tensorboard_files_hold_the_logged_metrics(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run(compose(["step.max_steps=4", "step.log_every_steps=2", "data.max_eval_samples=32", "logging.wandb=true",
+                 "logging.tensorboard=true",
                  "logging.progress_bar=false", "step.save_model=false", f"run_dir={tmp_path}"]))
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     data = files[0].read_bytes()
     assert b"loss" in data and b"eval/ppl" in data and b"tokens_per_s" in data
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and b"tokens_per_s" in events[0].read_bytes()

@@ -44,7 +44,7 @@ def plan_steps(cfg: Config, micro_batches_per_epoch: int, rows: int) -> int:
 def open_logger(cfg: Config, rank: int) -> MetricsLogger:
     wandb_cfg = ({"project": cfg.logging.wandb_project, "group": cfg.logging.wandb_group or None,
                   "name": Path(cfg.run_dir).name, "config": asdict(cfg)} if cfg.logging.wandb else None)
-    return MetricsLogger(cfg.run_dir, enabled=rank == 0, wandb_cfg=wandb_cfg)
+    return MetricsLogger(cfg.run_dir, enabled=rank == 0, wandb_cfg=wandb_cfg, tensorboard=cfg.logging.tensorboard)
 
 
 class Throughput:
