@@ -91,3 +91,105 @@ def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+# ----------------------------------------------------------------------------- exact resume
+def rng_state() -> dict:
+    """Python, numpy and torch RNG states in types torch.load(weights_only=True) accepts."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+
+
+class Checkpointer:
+    """Atomic periodic checkpoints of a runner's trainable engines plus its client state.
+
+    A checkpoint is written into ``checkpoints/.tmp-step_N`` by every rank (DeepSpeed's
+    save_checkpoint per engine, one client-state file per rank), renamed into place by rank 0, and
+    only then is ``checkpoints/latest`` replaced -- so a crash during a save leaves the previous
+    checkpoint usable. The last ``keep_last`` are kept. Client state holds the step, the position in
+    the data, RNG states and whatever the runner adds; it is read with weights_only=True.
+    """
+
+    def __init__(self, run_dir: Path, engines: dict, every_steps: int, keep_last: int):
+        self.root = Path(run_dir) / "checkpoints"
+        self.engines, self.every_steps, self.keep_last = engines, every_steps, keep_last
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def due(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def save(self, step: int, state: dict, name: str | None = None, make_latest: bool = True) -> Path:
+        import os
+        import shutil
+
+        name = name or f"step_{step:08d}"
+        tmp, final = self.root / f".tmp-{name}", self.root / name
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        for role, engine in self.engines.items():
+            engine.save_checkpoint(str(tmp), tag=role, save_latest=False)
+        torch.save({"state": state, "rng": rng_state()}, tmp / f"client_rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            if make_latest:
+                pointer = self.root / "latest.tmp"
+                pointer.write_text(name)
+                os.replace(pointer, self.root / "latest")  # the pointer moves last
+                kept = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+                for old in kept[: max(len(kept) - self.keep_last, 0)]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        return final
+
+    def load(self) -> dict | None:
+        """Restore the engines from the latest checkpoint; its client state (RNG states under
+        "rng", for the runner to set where its straight run was), or None."""
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        folder = self.root / pointer.read_text().strip()
+        for role, engine in self.engines.items():
+            engine.load_checkpoint(str(folder), tag=role, load_optimizer_states=True, load_lr_scheduler_states=True)
+        saved = torch.load(folder / f"client_rank{self.rank}.pt", weights_only=True)
+        return {**saved["state"], "rng": saved["rng"]}
+
+
+class StopRequest:
+    """SIGINT / SIGTERM set a flag; the runner finishes its optimizer step, saves and exits."""
+
+    def __init__(self):
+        import signal
+
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __bool__(self) -> bool:
+        return self.signum != 0

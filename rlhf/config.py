@@ -532,6 +532,18 @@ class LoggingConfig:
     tensorboard: bool = False
 
 
+@dataclass
+class CheckpointConfig:
+    # Save every this many optimizer steps (PPO: PPO steps), and always at the end of each epoch; 0: epochs only.
+    every_steps: int = 0
+    # Checkpoints kept (the newest).
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        _positive("checkpoint.keep_last", self.keep_last)
+
+
 # ------------------------------------------------------------------------------------ the run
 @dataclass
 class Config:
@@ -550,6 +562,9 @@ class Config:
     # The reward model; empty: critic.path.
     reward: RoleConfig = field(default_factory=RoleConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # auto: continue from the run directory's latest checkpoint (a finished run does nothing); never: start over.
+    resume: str = "auto"
     # Seed of model-independent randomness in training (sampling order, dropout).
     seed: int = 42
     # Where this run writes everything; launch.py fills in Hydra's output directory when empty.
@@ -571,6 +586,7 @@ class Config:
         return self.step.micro_batch_size_per_device * self.gradient_accumulation_steps * self.world_size
 
     def __post_init__(self) -> None:
+        _choice("resume", self.resume, ("auto", "never"))
         if self.step.name not in STEP_SCHEMAS:
             raise ConfigError(f"step.name={self.step.name!r} is not allowed; choose one of "
                               f"{', '.join(STEP_SCHEMAS)}")

@@ -154,6 +154,11 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
                           "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
                           "launch.force=true to run anyway.")
     check_launchable(schema)
+    done = run_dir / "final_metrics.json"
+    if schema.resume == "auto" and done.exists():
+        print(f"[{schema.step.name}] {run_dir} finished before ({done.name}); nothing to do "
+              "(resume=never starts it over)", flush=True)
+        return json.loads(done.read_text())
     write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         if schema.hardware.nodes > 1 and not schema.launch.hostfile:

@@ -19,10 +19,11 @@ import torch
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, enabled: bool, wandb_cfg: dict | None = None, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, enabled: bool, wandb_cfg: dict | None = None, tensorboard: bool = False,
+                 fresh: bool = True):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = open(self.path, "a") if enabled else None
+        self._file = open(self.path, "w" if fresh else "a") if enabled else None
         self._wandb = None
         self._tb = None
         if enabled and tensorboard:
@@ -35,6 +36,15 @@ class MetricsLogger:
             # Offline without a key, and never an interactive login prompt.
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self._wandb = wandb.init(dir=str(run_dir), mode=mode, **wandb_cfg)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop rows logged after the checkpoint; the resumed run logs those steps again."""
+        if not self.enabled:
+            return
+        self._file.close()
+        rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        self.path.write_text("".join(r + "\n" for r in rows))
+        self._file = open(self.path, "a")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

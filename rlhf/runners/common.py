@@ -6,7 +6,6 @@ Plain functions and one small class, no base runner: each runner still reads top
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,10 +40,12 @@ def plan_steps(cfg: Config, micro_batches_per_epoch: int, rows: int) -> int:
     return min(total, cfg.step.max_steps) if cfg.step.max_steps > 0 else total
 
 
-def open_logger(cfg: Config, rank: int) -> MetricsLogger:
+def open_logger(cfg: Config, rank: int, fresh: bool = True) -> MetricsLogger:
+    """metrics.jsonl: started over for a fresh run, appended to when the run resumed."""
     wandb_cfg = ({"project": cfg.logging.wandb_project, "group": cfg.logging.wandb_group or None,
                   "name": Path(cfg.run_dir).name, "config": asdict(cfg)} if cfg.logging.wandb else None)
-    return MetricsLogger(cfg.run_dir, enabled=rank == 0, wandb_cfg=wandb_cfg, tensorboard=cfg.logging.tensorboard)
+    return MetricsLogger(cfg.run_dir, enabled=rank == 0, wandb_cfg=wandb_cfg, tensorboard=cfg.logging.tensorboard,
+                         fresh=fresh)
 
 
 class Throughput:
@@ -80,12 +81,6 @@ class Throughput:
 def count_params(module) -> int:
     # Under ZeRO-3 a parameter's local tensor is a shard; ds_numel is its full size.
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
-
-
-def finite_or_raise(value: float, what: str, step: int) -> float:
-    if not math.isfinite(value):
-        raise FloatingPointError(f"{what} is {value} at optimizer step {step}")
-    return value
 
 
 def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, last: dict, logger) -> dict:

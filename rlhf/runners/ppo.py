@@ -14,6 +14,7 @@ The RL math is in rlhf/losses.py.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -24,7 +25,14 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import losses, models
-from rlhf.checkpoint import gather_state_dict, param_fingerprint, save_hf_model
+from rlhf.checkpoint import (
+    Checkpointer,
+    StopRequest,
+    gather_state_dict,
+    param_fingerprint,
+    save_hf_model,
+    set_rng_state,
+)
 from rlhf.config import Config, ConfigError
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -32,7 +40,7 @@ from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.logging import peak_memory_gb
 from rlhf.rewards import REWARD_FNS
 from rlhf.rollout import answer_texts, evaluate, generate, left_pad, position_ids, prompt_dataset, response_mask
-from rlhf.runners.common import count_params, finite_or_raise, open_logger
+from rlhf.runners.common import count_params, open_logger
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -248,7 +256,11 @@ def run(cfg: Config) -> dict:
               f"{n_critic / 1e6:.2f}M parameters; reward: "
               f"{'reward model' if reward else ''}{' + ' if reward and rule_fn else ''}{step_cfg.reward_fn or ''}",
               flush=True)
-    logger = open_logger(cfg, rank)
+    ckpt = Checkpointer(run_dir, {"actor": actor, "critic": critic}, cfg.checkpoint.every_steps,
+                        cfg.checkpoint.keep_last)
+    resumed = ckpt.load() if cfg.resume == "auto" else None
+    logger = open_logger(cfg, rank, fresh=resumed is None)
+    stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
     def full_eval(step: int) -> dict[str, float]:
@@ -259,13 +271,39 @@ def run(cfg: Config) -> dict:
             print(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
         return metrics
 
-    fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
-    first = last = full_eval(0)
-    step, last_eval_step = 0, 0
-    bar = tqdm(total=ppo_steps, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(step_cfg.epochs):
+    if resumed:
+        step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
+        first, last, last_eval_step = resumed["first"], resumed["last"], resumed["last_eval_step"]
+        fingerprints = {k: tuple(v) for k, v in resumed["fingerprints"].items()}
+        kl_ctl.load_state_dict(resumed["kl_ctl"])
+        moments.load_state_dict(resumed["moments"])
+        generator.set_state(resumed["generator"])
+        if ema is not None:
+            ema = resumed["ema"]
+        logger.truncate_after(step)
+        if rank == 0:
+            print(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})", flush=True)
+    else:
+        fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
+        first = last = full_eval(0)
+        step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
+
+    def state(epoch: int, batch_index: int) -> dict:
+        return {"step": step, "epoch": epoch, "batch_index": batch_index, "first": first, "last": last,
+                "last_eval_step": last_eval_step, "fingerprints": fingerprints, "kl_ctl": kl_ctl.state_dict(),
+                "moments": moments.state_dict(), "generator": generator.get_state(), "ema": ema}
+
+    bar = tqdm(total=ppo_steps, initial=step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(start_epoch, step_cfg.epochs):
         sampler.set_epoch(epoch)
-        for batch in loader:
+        if resumed and skip == 0 and epoch == start_epoch:
+            set_rng_state(resumed["rng"])  # saved at the epoch boundary, before the loader drew its seed
+        batches = iter(loader)
+        if resumed and skip and epoch == start_epoch:
+            set_rng_state(resumed["rng"])  # saved mid-epoch, after the loader drew its seed
+        for index, batch in enumerate(batches):
+            if index < skip:  # consumed before the checkpoint this run resumed from
+                continue
             t0 = time.perf_counter()
             exp = make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments)
             t1 = time.perf_counter()
@@ -275,7 +313,10 @@ def run(cfg: Config) -> dict:
             step += 1
             metrics = {**rollout_metrics(exp, step_cfg), **train, "kl_coef": kl_ctl.value}
             kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
-            finite_or_raise(train["policy_loss"] + train["value_loss"], "PPO loss", step)
+            total_loss = train["policy_loss"] + train["value_loss"]
+            if not math.isfinite(total_loss):
+                where = ckpt.save(step, state(epoch, index + 1), name=f"nonfinite_step_{step:08d}", make_latest=False)
+                raise FloatingPointError(f"PPO loss is {total_loss} at PPO step {step}; saved (marked) in {where}")
             t3 = time.perf_counter()
             n_seq, seq_len = exp["seq"].shape
             gen_tokens = exp["mask"].sum().item()
@@ -297,8 +338,15 @@ def run(cfg: Config) -> dict:
                 last, last_eval_step = full_eval(step), step
             if step >= ppo_steps:
                 break
+            if ckpt.due(step) or stop:
+                ckpt.save(step, state(epoch, index + 1))
+            if stop:
+                logger.close()
+                raise SystemExit(f"[ppo] stopped by signal {stop.signum} after PPO step {step}; checkpoint saved")
+        skip = 0
         if step >= ppo_steps:
             break
+        ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
     bar.close()
     if last_eval_step != step:
         last = full_eval(step)

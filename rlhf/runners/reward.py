@@ -14,6 +14,7 @@ how often the model agrees with the rule. Saves a folder that
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import losses, models
+from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -32,7 +34,6 @@ from rlhf.runners.common import (
     count_params,
     eval_loader,
     finish,
-    finite_or_raise,
     mean_over_ranks,
     open_logger,
     plan_steps,
@@ -143,7 +144,10 @@ def run(cfg: Config) -> dict:
         (run_dir / "ds_config.json").write_text(json.dumps({"reward": ds_cfg}, indent=2))
         print(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
               f"{cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
-    logger = open_logger(cfg, rank)
+    ckpt = Checkpointer(run_dir, {"reward": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
+    resumed = ckpt.load() if cfg.resume == "auto" else None
+    logger = open_logger(cfg, rank, fresh=resumed is None)
+    stop = StopRequest()
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
         metrics = evaluate(engine, evaluation, step_cfg.score_at)
@@ -155,24 +159,44 @@ def run(cfg: Config) -> dict:
         return metrics
 
     # -------------------------------------------------------------------------------- loop
-    first = full_eval(0, 0)
-    last = first
-    step, last_eval_step = 0, 0
-    window = {"loss": 0.0, "acc": 0.0, "chosen": 0.0, "rejected": 0.0}
+    if resumed:
+        step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
+        first, last, last_eval_step, window = resumed["first"], resumed["last"], resumed["last_eval_step"], resumed["window"]
+        logger.truncate_after(step)
+        set_rng_state(resumed["rng"])
+        if rank == 0:
+            print(f"[reward] resumed at step {step} (epoch {start_epoch}, micro batch {skip})", flush=True)
+    else:
+        first = last = full_eval(0, 0)
+        step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
+        window = {"loss": 0.0, "acc": 0.0, "chosen": 0.0, "rejected": 0.0}
     meter = Throughput(cfg, n_params, world)
-    bar = tqdm(total=total_steps, desc="reward", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(step_cfg.epochs):
+    meter.micro = resumed["window_micro"] if resumed else 0
+
+    def state(epoch: int, batch_index: int) -> dict:
+        return {"step": step, "epoch": epoch, "batch_index": batch_index, "first": first, "last": last,
+                "last_eval_step": last_eval_step, "window": window, "window_micro": meter.micro}
+
+    bar = tqdm(total=total_steps, initial=step, desc="reward", disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(start_epoch, step_cfg.epochs):
         sampler.set_epoch(epoch)
-        for batch in loader:
+        for index, batch in enumerate(loader):
+            if index < skip:  # consumed before the checkpoint this run resumed from
+                continue
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             loss, chosen, rejected = pair_scores(engine, batch, step_cfg.score_at)
             if step_cfg.score_regularizer:
                 loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
+            value = loss.item()
+            if not math.isfinite(value):
+                where = ckpt.save(step, state(epoch, index), name=f"nonfinite_step_{step + 1:08d}", make_latest=False)
+                raise FloatingPointError(f"reward loss is {value} at optimizer step {step + 1}; the state before it "
+                                         f"is saved in {where}")
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             meter.add(batch["attention_mask"])
-            window["loss"] += finite_or_raise(loss.item(), "reward loss", step)
+            window["loss"] += value
             window["acc"] += losses.pairwise_accuracy(chosen, rejected).item()
             window["chosen"] += chosen.mean().item()
             window["rejected"] += rejected.mean().item()
@@ -191,10 +215,17 @@ def run(cfg: Config) -> dict:
                 last, last_eval_step = full_eval(step, epoch), step
             if step >= total_steps:
                 break
+            if ckpt.due(step) or stop:
+                ckpt.save(step, state(epoch, index + 1))
+            if stop:
+                logger.close()
+                raise SystemExit(f"[reward] stopped by signal {stop.signum} after step {step}; checkpoint saved")
+        skip = 0
         if last_eval_step != step:
             last, last_eval_step = full_eval(step, epoch + 1), step
         if step >= total_steps:
             break
+        ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
     bar.close()
 
     # -------------------------------------------------------------------------------- save

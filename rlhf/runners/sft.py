@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import models, rollout
+from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -30,7 +31,6 @@ from rlhf.runners.common import (
     count_params,
     eval_loader,
     finish,
-    finite_or_raise,
     mean_over_ranks,
     open_logger,
     plan_steps,
@@ -100,32 +100,57 @@ def run(cfg: Config) -> dict:
         (run_dir / "ds_config.json").write_text(json.dumps({"model": ds_cfg}, indent=2))
         print(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
               f"{cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
-    logger = open_logger(cfg, rank)
+    ckpt = Checkpointer(run_dir, {"model": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
+    resumed = ckpt.load() if cfg.resume == "auto" else None
+    logger = open_logger(cfg, rank, fresh=resumed is None)
+    stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
-    first_eval = evaluate()
-    logger.log({**first_eval, "epoch": 0}, step=0)
-    last_eval = first_eval
-    step, last_eval_step, window_loss = 0, 0, 0.0
+    if resumed:
+        step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
+        first_eval, last_eval, last_eval_step = resumed["first_eval"], resumed["last_eval"], resumed["last_eval_step"]
+        window_loss, total_steps = resumed["window_loss"], resumed["total_steps"]
+        logger.truncate_after(step)
+        set_rng_state(resumed["rng"])
+        if rank == 0:
+            print(f"[sft] resumed at step {step} (epoch {start_epoch}, micro batch {skip})", flush=True)
+    else:
+        first_eval = evaluate()
+        logger.log({**first_eval, "epoch": 0}, step=0)
+        last_eval, step, start_epoch, skip, last_eval_step, window_loss = first_eval, 0, 0, 0, 0, 0.0
     meter = Throughput(cfg, n_params, world)
-    bar = tqdm(total=total_steps, desc="sft", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(step_cfg.epochs):
+    meter.micro = resumed["window_micro"] if resumed else 0
+
+    def state(epoch: int, batch_index: int) -> dict:
+        return {"step": step, "epoch": epoch, "batch_index": batch_index, "first_eval": first_eval,
+                "last_eval": last_eval, "last_eval_step": last_eval_step, "window_loss": window_loss,
+                "window_micro": meter.micro, "total_steps": total_steps}
+
+    bar = tqdm(total=total_steps, initial=step, desc="sft", disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(start_epoch, step_cfg.epochs):
         sampler.set_epoch(epoch)
-        for batch in loader:
+        for index, batch in enumerate(loader):
+            if index < skip:  # consumed before the checkpoint this run resumed from
+                continue
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             loss = engine(**batch).loss
+            value = loss.item()
+            if not math.isfinite(value):
+                where = ckpt.save(step, state(epoch, index), name=f"nonfinite_step_{step + 1:08d}", make_latest=False)
+                raise FloatingPointError(f"SFT loss is {value} at optimizer step {step + 1}; the state before it is "
+                                         f"saved in {where}")
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             meter.add(batch["attention_mask"])
-            window_loss += finite_or_raise(loss.item(), "SFT loss", step)
+            window_loss += value
             if not boundary:
                 continue
             step += 1
             bar.update(1)
             if step % step_cfg.log_every_steps == 0 or step == total_steps:
-                metrics = {**mean_over_ranks({"loss": window_loss / meter.micro}), "lr": engine.get_lr()[0], "epoch": epoch,
-                           **meter.summary(cfg.global_batch_size)}
+                metrics = {**mean_over_ranks({"loss": window_loss / meter.micro}), "lr": engine.get_lr()[0],
+                           "epoch": epoch, **meter.summary(cfg.global_batch_size)}
                 logger.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 if rank == 0 and not cfg.logging.progress_bar:
@@ -141,6 +166,12 @@ def run(cfg: Config) -> dict:
                     total_steps = step
             if step >= total_steps:
                 break
+            if ckpt.due(step) or stop:
+                ckpt.save(step, state(epoch, index + 1))
+            if stop:
+                logger.close()
+                raise SystemExit(f"[sft] stopped by signal {stop.signum} after step {step}; checkpoint saved")
+        skip = 0
         if last_eval_step != step:
             last_eval, last_eval_step = evaluate(), step
             logger.log({**last_eval, "epoch": epoch + 1}, step=step)
@@ -149,6 +180,7 @@ def run(cfg: Config) -> dict:
                       flush=True)
         if step >= total_steps:
             break
+        ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
     bar.close()
 
     # -------------------------------------------------------------------------------- save

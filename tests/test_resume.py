@@ -1,0 +1,145 @@
+"""Exact resume: a run killed with SIGKILL (a real kill of the process) and started again ends with
+the weights and the logged losses of a run that was never interrupted -- mid-epoch, at an epoch
+boundary, and with a checkpoint write cut short. Also: a finished run does nothing, NaN stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.launch import run
+from tests.conftest import ROOT, compose
+
+ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                         "MASTER_PORT")}
+QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32"]
+
+
+def _cmd(args: list[str], run_dir: Path) -> list[str]:
+    return [sys.executable, "launch.py", *args, *QUIET, f"run_dir={run_dir}"]
+
+
+def _straight(args: list[str], run_dir: Path) -> None:
+    proc = subprocess.run(_cmd(args, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _kill_after(args: list[str], run_dir: Path, key: str, rows: int) -> None:
+    """Start the run and SIGKILL it once metrics.jsonl holds `rows` lines with `key`."""
+    proc = subprocess.Popen(_cmd(args, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and sum(f'"{key}"' in line for line in metrics.read_text().splitlines()) >= rows:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+
+def _same_result(a: Path, b: Path, key: str) -> None:
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    la = {json.loads(x)["step"]: json.loads(x)[key] for x in open(a / "metrics.jsonl") if f'"{key}"' in x}
+    lb = [(json.loads(x)["step"], json.loads(x)[key]) for x in open(b / "metrics.jsonl") if f'"{key}"' in x]
+    assert [s for s, _ in lb] == sorted(la), "each step logged once, in order"
+    assert all(abs(la[s] - v) <= 1e-6 for s, v in lb)
+
+
+SFT = ["step=sft", "step.max_steps=30", "step.log_every_steps=1", "checkpoint.every_steps=5", "step.eval_every_steps=0"]
+
+
+def test_sft_resumes_exactly_after_sigkill_mid_epoch(tmp_path):
+    _straight(SFT, tmp_path / "a")
+    _kill_after(SFT, tmp_path / "b", "loss", 12)
+    out = subprocess.run(_cmd(SFT, tmp_path / "b"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "resumed at step" in out.stdout
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+
+
+def test_sft_resumes_at_an_epoch_boundary_and_trains_the_remaining_epochs(tmp_path):
+    # 160 rows / 16 = 10 steps per epoch, 3 epochs, checkpoints at epoch ends only.
+    args = ["step=sft", "data.max_train_samples=160", "step.epochs=3", "step.log_every_steps=1",
+            "step.eval_every_steps=0"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "loss", 12)
+    latest = (tmp_path / "b" / "checkpoints" / "latest").read_text()
+    assert latest in ("step_00000010", "step_00000020")
+    out = subprocess.run(_cmd(args, tmp_path / "b"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "micro batch 0" in out.stdout
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    assert json.loads((tmp_path / "b" / "final_metrics.json").read_text())["step"] == 30
+
+
+def test_a_checkpoint_write_cut_short_leaves_the_previous_one_usable(tmp_path):
+    _straight(SFT, tmp_path / "a")
+    _kill_after(SFT, tmp_path / "b", "loss", 12)
+    ckpts = tmp_path / "b" / "checkpoints"
+    # What a kill in the middle of writing the next checkpoint leaves: a partial temporary folder,
+    # the pointer still on the last complete one.
+    partial = ckpts / ".tmp-step_00000099"
+    partial.mkdir()
+    (partial / "model").mkdir()
+    (partial / "model" / "mp_rank_00_model_states.pt").write_bytes(b"\x00 truncated")
+    latest = (ckpts / "latest").read_text()
+    out = subprocess.run(_cmd(SFT, tmp_path / "b"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed at step {int(latest.split('_')[1])}" in out.stdout
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+
+
+def test_reward_resumes_exactly_after_sigkill(tmp_path):
+    args = ["step=reward", "step.max_steps=30", "step.log_every_steps=1", "checkpoint.every_steps=5",
+            "step.eval_every_steps=0", "step.rule_check_answers=0"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "loss", 12)
+    _straight(args, tmp_path / "b")
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+
+
+def test_ppo_resumes_exactly_after_sigkill(tmp_path):
+    run(compose(["step=sft", "step.max_steps=20", *QUIET, f"run_dir={tmp_path / 'sft'}"]))
+    run(compose(["step=reward", "step.max_steps=20", "step.rule_check_answers=0", *QUIET, f"run_dir={tmp_path / 'rm'}"]))
+    args = ["step=ppo", f"actor.path={tmp_path / 'sft' / 'model'}", f"critic.path={tmp_path / 'rm' / 'model'}",
+            "step.max_steps=14", "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=8",
+            "step.eval_prompts=16", "step.eval_every_steps=0", "checkpoint.every_steps=4"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "policy_loss", 6)
+    _straight(args, tmp_path / "b")
+    _same_result(tmp_path / "a", tmp_path / "b", "policy_loss")
+
+
+def test_a_finished_run_does_nothing_and_resume_never_starts_over(tmp_path, capsys):
+    args = ["step.max_steps=3", *QUIET, f"run_dir={tmp_path}"]
+    first = run(compose(args))
+    again = run(compose(args))
+    assert again == first and "finished before" in capsys.readouterr().out
+
+
+def test_nan_loss_stops_with_the_step_and_a_marked_checkpoint(tmp_path):
+    with pytest.raises(FloatingPointError, match=r"SFT loss is (nan|inf) at optimizer step \d+"):
+        run(compose(["optim.lr=1e30", "optim.grad_clip=0", "optim.warmup_steps=0", "step.max_steps=30", *QUIET,
+                     f"run_dir={tmp_path}"]))
+    assert list((tmp_path / "checkpoints").glob("nonfinite_step_*"))
+    assert not (tmp_path / "checkpoints" / "latest").exists() or \
+        not (tmp_path / "checkpoints" / "latest").read_text().startswith("nonfinite")
+
+
+def test_checkpoint_client_state_loads_with_weights_only(tmp_path):
+    args = ["step.max_steps=6", "checkpoint.every_steps=5", *QUIET, f"run_dir={tmp_path}"]
+    run(compose(args))
+    client = next((tmp_path / "checkpoints").glob("step_*/client_rank0.pt"))
+    state = torch.load(client, weights_only=True)
+    assert state["state"]["step"] == 5 and "torch" in state["rng"]
