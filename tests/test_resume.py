@@ -33,20 +33,21 @@ def _straight(args: list[str], run_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def _kill_after(args: list[str], run_dir: Path, key: str, rows: int) -> None:
-    """Start the run and SIGKILL it once metrics.jsonl holds `rows` lines with `key`."""
+def _kill_after(args: list[str], run_dir: Path, key: str, rows: int, sig: int = signal.SIGKILL) -> int:
+    """Start the run and send `sig` once metrics.jsonl holds `rows` lines with `key`; its exit code."""
     proc = subprocess.Popen(_cmd(args, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and sum(f'"{key}"' in line for line in metrics.read_text().splitlines()) >= rows:
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(sig)
             break
         time.sleep(0.02)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    proc.wait(timeout=120)
+    assert not (run_dir / "final_metrics.json").exists(), "the run finished before the signal"
     assert (run_dir / "checkpoints" / "latest").exists()
+    return proc.returncode
 
 
 def _same_result(a: Path, b: Path, key: str) -> None:
@@ -119,6 +120,15 @@ def test_ppo_resumes_exactly_after_sigkill(tmp_path):
     _kill_after(args, tmp_path / "b", "policy_loss", 6)
     _straight(args, tmp_path / "b")
     _same_result(tmp_path / "a", tmp_path / "b", "policy_loss")
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_then_resumes_exactly(tmp_path):
+    args = ["step=sft", "step.max_steps=30", "step.log_every_steps=1", "step.eval_every_steps=0"]  # no periodic saves
+    _straight(args, tmp_path / "a")
+    code = _kill_after(args, tmp_path / "b", "loss", 8, sig=signal.SIGTERM)
+    assert code != 0
+    _straight(args, tmp_path / "b")
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
 
 
 def test_a_finished_run_does_nothing_and_resume_never_starts_over(tmp_path, capsys):
