@@ -224,6 +224,11 @@ class SourceConfig:
     # Split of the source used for training, and the one used for evaluation.
     train_split: str = "train"
     eval_split: str = "eval"
+    # Row adapter from rlhf.data.adapters.ADAPTERS (DeepSpeed-Chat's datasets by hub id); empty: chosen
+    # by the path when it is a known hub id.
+    adapter: str = ""
+    # Column mapping for other tables: {prompt: <column>, chosen: <column>, rejected: <column>}.
+    columns: dict[str, str] = field(default_factory=dict)
 
 
 def looks_local(path: str) -> bool:
@@ -258,8 +263,15 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.sources:
             raise ConfigError(f"data.sources is empty in blend {self.name!r}")
+        from rlhf.data.adapters import ADAPTERS
+
         for i, src in enumerate(self.sources):
             _positive(f"data.sources[{i}].weight", src.weight)
+            if src.adapter:
+                _choice(f"data.sources[{i}].adapter", src.adapter, tuple(ADAPTERS))
+            if src.columns and not {"prompt", "chosen"} <= set(src.columns) <= {"prompt", "chosen", "rejected"}:
+                raise ConfigError(f"data.sources[{i}].columns={dict(src.columns)} must map prompt and chosen "
+                                  "(and optionally rejected) to the table's column names")
             path = os.path.expanduser(src.path)
             if looks_local(src.path) and not os.path.exists(path):
                 raise ConfigError(f"data.sources[{i}].path={src.path!r} does not exist")

@@ -20,6 +20,7 @@ import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
 from rlhf.config import STEP_SPLIT_INDEX, ConfigError, DataConfig, SourceConfig, looks_local
+from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_IDS, map_columns
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -47,8 +48,37 @@ def _split_files(folder: Path) -> dict[str, str]:
     return files
 
 
+COMMON = ("prompt", "chosen", "rejected")
+
+
+def _adapt(ds: Dataset, src: SourceConfig, key: str) -> Dataset:
+    """Map a source's own columns to prompt / chosen / rejected, naming the row and column that fail."""
+    name = src.adapter or (src.path if src.path in ADAPTERS else "")
+    if name:
+        fn = ADAPTERS[name]
+    elif src.columns:
+        fn = map_columns(dict(src.columns))
+    else:
+        missing = [c for c in ("prompt", "chosen") if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"{key}.path={src.path!r} has no column {missing[0]!r} (columns: {ds.column_names}); "
+                             f"set {key}.columns or {key}.adapter")
+        if "rejected" not in ds.column_names:
+            ds = ds.add_column("rejected", [""] * len(ds))
+        return ds.select_columns(list(COMMON))
+
+    def safe(row: dict, idx: int) -> dict:
+        try:
+            return fn(row)
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            raise ValueError(f"{key} ({src.path}), row {idx}: the {name or 'columns'} adapter cannot read it "
+                             f"({type(err).__name__}: {err}); columns: {list(row)}") from None
+
+    return ds.map(safe, with_indices=True, remove_columns=ds.column_names)
+
+
 def load_source(src: SourceConfig, split: str, index: int) -> Dataset:
-    """One split of one source, with ``source`` and ``row`` columns for error messages."""
+    """One split of one source in the common columns, with ``source`` and ``row`` columns for error messages."""
     path = os.path.expanduser(src.path)
     key = f"data.sources[{index}]"
     if looks_local(src.path):
@@ -67,7 +97,11 @@ def load_source(src: SourceConfig, split: str, index: int) -> Dataset:
                 raise ValueError(f"{key}.path={src.path!r}: unknown format {p.suffix!r}; use {', '.join(FORMATS)}")
             ds = load_dataset(FORMATS[p.suffix], data_files={"train": path}, split="train")
     else:
-        ds = load_dataset(src.path, split=split)
+        hub_id = HUB_IDS.get(src.path, src.path)
+        if split == src.eval_split == "eval" and src.path in EVAL_SPLITS:
+            split = EVAL_SPLITS[src.path]  # the dataset's own name for its evaluation split
+        ds = load_dataset(hub_id, split=split)
+    ds = _adapt(ds, src, key)
     ds = ds.add_column("row", list(range(len(ds))))
     return ds.add_column("source", [src.path] * len(ds))
 
