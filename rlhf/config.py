@@ -252,8 +252,12 @@ class DataConfig:
     max_train_samples: int = -1
     # Cap on evaluation rows; -1 keeps all.
     max_eval_samples: int = 512
-    # Rows that cannot be used (empty, too long, chosen == rejected): drop and count, or error.
+    # Rows that cannot be used (empty, too long, chosen == rejected): drop (or skip: the same) and count
+    # them in data_report.json, or error naming the source, row and column.
     on_bad_row: str = "drop"
+    # PPO prompts longer than step.max_prompt_len: drop and count (DeepSpeed-Chat's rule), or keep their
+    # last tokens (truncate_left: the end of a conversation matters most).
+    long_prompts: str = "drop"
 
     @property
     def split_fractions(self) -> list[float]:
@@ -282,7 +286,8 @@ class DataConfig:
         if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
             raise ConfigError(f"data.split={self.split!r} must be three non-negative numbers (SFT, reward, "
                               "PPO) with a positive sum")
-        _choice("data.on_bad_row", self.on_bad_row, ("drop", "error"))
+        _choice("data.on_bad_row", self.on_bad_row, ("drop", "skip", "error"))
+        _choice("data.long_prompts", self.long_prompts, ("drop", "truncate_left"))
 
 
 # ---------------------------------------------------------------------------------------- step

@@ -15,8 +15,10 @@ from rlhf import losses
 from rlhf.data.blend import DataReport
 
 
-def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str) -> list[dict]:
-    """Tokenized prompts (bos included); longer than max_prompt_len: dropped and counted (DeepSpeed-Chat's rule)."""
+def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str,
+                   long_prompts: str = "drop") -> list[dict]:
+    """Tokenized prompts (bos included). Longer than max_prompt_len: dropped and counted (DeepSpeed-Chat's
+    rule), or with ``truncate_left`` cut to their last tokens (bos kept) and counted as truncated."""
     out, seen = [], set()
     for row in rows:
         prompt = row["prompt"]
@@ -28,8 +30,13 @@ def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, spl
         seen.add(prompt)
         ids = tokenizer(prompt).input_ids
         if len(ids) > max_prompt_len:
-            report.drop(split, f"prompt longer than step.max_prompt_len={max_prompt_len}")
-            continue
+            if long_prompts == "drop":
+                report.drop(split, f"prompt longer than step.max_prompt_len={max_prompt_len}")
+                continue
+            keep_bos = ids[:1] if ids[0] == tokenizer.bos_token_id else []
+            ids = keep_bos + ids[len(ids) - (max_prompt_len - len(keep_bos)):]
+            prompt = tokenizer.decode(ids, skip_special_tokens=True)  # the text the policy really sees
+            report.truncated[split] = report.truncated.get(split, 0) + 1
         out.append({"input_ids": ids, "prompt": prompt})
     if not out:
         raise ValueError(f"no usable {split} prompts: {report.dropped.get(split)}")

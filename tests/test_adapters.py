@@ -133,3 +133,44 @@ def test_adapter_and_columns_are_validated():
         to_schema(compose(["data.sources=[{path: Dahoas/rm-static, columns: {prompt: q}}]"]))
     cfg = to_schema(compose(["data.sources=[{path: Dahoas/rm-static}]"]))
     assert cfg.data.sources[0].path == "Dahoas/rm-static"  # a hub id passes through to load_dataset
+
+
+CONVERSATION = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sort b a"},
+                              {"role": "assistant", "content": "a b"}],
+                 "rejected": [{"role": "user", "content": "Sort b a"}, {"role": "assistant", "content": "b a"}]}]
+
+
+def test_conversations_without_a_chat_template_use_deepspeed_chat_turns(tmp_path):
+    ds = load_source(SourceConfig(path=_folder(tmp_path, CONVERSATION)), "train", 0)
+    assert ds[0]["prompt"] == " Be brief. Human: Hi Assistant: Hello. Human: Sort b a Assistant:"
+    assert (ds[0]["chosen"], ds[0]["rejected"]) == (" a b", " b a")
+
+
+def test_conversations_use_the_tokenizers_chat_template(tmp_path):
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_tokenizer, resolve_path
+
+    tok = load_tokenizer(resolve_path(ModelConfig(name="tiny-llama", random_init=True)))
+    tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    ds = load_source(SourceConfig(path=_folder(tmp_path, CONVERSATION)), "train", 0, tok)
+    assert ds[0]["prompt"] == "<|system|>Be brief.<|user|>Hi<|assistant|>Hello.<|user|>Sort b a<|assistant|>"
+    assert ds[0]["chosen"] == "a b"
+
+
+def test_long_ppo_prompts_are_dropped_or_left_truncated():
+    from rlhf.config import ModelConfig
+    from rlhf.data.blend import DataReport
+    from rlhf.models import load_tokenizer, resolve_path
+    from rlhf.rollout import prompt_dataset
+
+    tok = load_tokenizer(resolve_path(ModelConfig(name="tiny-llama", random_init=True)))
+    rows = [{"prompt": " Human: sort a b c d e f g h i j Assistant:"}, {"prompt": " Human: sort b a Assistant:"}]
+    report = DataReport()
+    assert len(prompt_dataset(rows, tok, 8, report, "train")) == 1
+    assert report.dropped["train"] == {"prompt longer than step.max_prompt_len=8": 1}
+    report = DataReport()
+    kept = prompt_dataset(rows, tok, 8, report, "train", long_prompts="truncate_left")
+    assert len(kept) == 2 and len(kept[0]["input_ids"]) == 8 and kept[0]["input_ids"][0] == tok.bos_token_id
+    assert kept[0]["prompt"].endswith("i j Assistant:") and report.truncated == {"train": 1}

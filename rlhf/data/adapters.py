@@ -139,6 +139,19 @@ def map_columns(columns: dict[str, str]) -> Adapter:
     return adapt
 
 
+def render_conversation(messages: list[dict], tokenizer=None) -> tuple[str, str]:
+    """(prompt, answer) from role/content messages ending with the assistant's answer: through the
+    tokenizer's chat template when it has one, else in DeepSpeed-Chat's " Human: ... Assistant:" form."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("a conversation must end with an assistant message (the answer)")
+    history, answer = messages[:-1], messages[-1]["content"]
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True), answer
+    turns = {"user": " Human: ", "assistant": " Assistant: ", "system": " "}
+    prompt = "".join(turns.get(m["role"], " ") + m["content"].strip() for m in history)
+    return prompt + " Assistant:", _answer(answer)
+
+
 def adapt_rows(rows: list[Row], name: str) -> list[Row]:
     """Apply a registered adapter to rows (used on the fixtures in tests and inside load_source)."""
     return [ADAPTERS[name](r) for r in rows]

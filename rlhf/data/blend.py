@@ -20,7 +20,7 @@ import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
 from rlhf.config import STEP_SPLIT_INDEX, ConfigError, DataConfig, SourceConfig, looks_local
-from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_IDS, map_columns
+from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_IDS, map_columns, render_conversation
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -31,13 +31,14 @@ class DataReport:
 
     sources: dict[str, dict] = field(default_factory=dict)
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    truncated: dict[str, int] = field(default_factory=dict)
 
     def drop(self, split: str, reason: str, n: int = 1) -> None:
         bucket = self.dropped.setdefault(split, {})
         bucket[reason] = bucket.get(reason, 0) + n
 
     def as_dict(self) -> dict:
-        return {"sources": self.sources, "dropped": self.dropped}
+        return {"sources": self.sources, "dropped": self.dropped, "truncated": self.truncated}
 
 
 def _split_files(folder: Path) -> dict[str, str]:
@@ -51,13 +52,22 @@ def _split_files(folder: Path) -> dict[str, str]:
 COMMON = ("prompt", "chosen", "rejected")
 
 
-def _adapt(ds: Dataset, src: SourceConfig, key: str) -> Dataset:
+def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
     """Map a source's own columns to prompt / chosen / rejected, naming the row and column that fail."""
     name = src.adapter or (src.path if src.path in ADAPTERS else "")
     if name:
         fn = ADAPTERS[name]
     elif src.columns:
         fn = map_columns(dict(src.columns))
+    elif "messages" in ds.column_names:
+        name = "conversation"
+
+        def fn(row: dict) -> dict:
+            prompt, chosen = render_conversation(row["messages"], tokenizer)
+            rejected = row.get("rejected") or ""
+            if isinstance(rejected, list):  # a rejected conversation: its last answer
+                rejected = render_conversation(rejected, tokenizer)[1]
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     else:
         missing = [c for c in ("prompt", "chosen") if c not in ds.column_names]
         if missing:
@@ -70,14 +80,14 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str) -> Dataset:
     def safe(row: dict, idx: int) -> dict:
         try:
             return fn(row)
-        except (KeyError, IndexError, TypeError, AttributeError) as err:
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{key} ({src.path}), row {idx}: the {name or 'columns'} adapter cannot read it "
                              f"({type(err).__name__}: {err}); columns: {list(row)}") from None
 
     return ds.map(safe, with_indices=True, remove_columns=ds.column_names)
 
 
-def load_source(src: SourceConfig, split: str, index: int) -> Dataset:
+def load_source(src: SourceConfig, split: str, index: int, tokenizer=None) -> Dataset:
     """One split of one source in the common columns, with ``source`` and ``row`` columns for error messages."""
     path = os.path.expanduser(src.path)
     key = f"data.sources[{index}]"
@@ -101,7 +111,7 @@ def load_source(src: SourceConfig, split: str, index: int) -> Dataset:
         if split == src.eval_split == "eval" and src.path in EVAL_SPLITS:
             split = EVAL_SPLITS[src.path]  # the dataset's own name for its evaluation split
         ds = load_dataset(hub_id, split=split)
-    ds = _adapt(ds, src, key)
+    ds = _adapt(ds, src, key, tokenizer)
     ds = ds.add_column("row", list(range(len(ds))))
     return ds.add_column("source", [src.path] * len(ds))
 
@@ -138,14 +148,15 @@ def blend(parts: list[Dataset], weights: list[float], seed: int, total: int | No
     return out.shuffle(seed=int(rng.integers(2**31))), counts.tolist()
 
 
-def load_step_data(cfg: DataConfig, step: str, report: DataReport) -> tuple[Dataset, Dataset]:
-    """Train rows of ``step``'s part of the blend, and the blend's eval rows."""
+def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=None) -> tuple[Dataset, Dataset]:
+    """Train rows of ``step``'s part of the blend, and the blend's eval rows (conversations rendered
+    with ``tokenizer``'s chat template when it has one)."""
     part = STEP_SPLIT_INDEX[step]
     trains, evals = [], []
     for i, src in enumerate(cfg.sources):
-        full = load_source(src, src.train_split, i)
+        full = load_source(src, src.train_split, i, tokenizer)
         trains.append(split_part(full, cfg.split_fractions, part, _seed_for(cfg.seed, src.path)))
-        evals.append(load_source(src, src.eval_split, i))
+        evals.append(load_source(src, src.eval_split, i, tokenizer))
         report.sources[src.path] = {"train_rows": len(full), f"{step}_part_rows": len(trains[-1]),
                                     "eval_rows": len(evals[-1]), "weight": src.weight}
     total = sum(len(t) for t in trains)

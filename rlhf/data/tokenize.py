@@ -24,7 +24,7 @@ class BadRowError(ValueError):
 
 
 def _bad(report: DataReport, split: str, on_bad_row: str, row: dict, reason: str, column: str) -> None:
-    if on_bad_row == "error":
+    if on_bad_row == "error":  # "drop" and "skip" both drop and count
         raise BadRowError(f"bad row in source {row['source']!r}, row {row['row']}, column {column!r}: {reason} "
                           "(set data.on_bad_row=drop to drop and count such rows)")
     report.drop(split, reason)

@@ -197,9 +197,11 @@ def run(cfg: Config) -> dict:
     rule_fn = REWARD_FNS[step_cfg.reward_fn] if step_cfg.reward_fn else None
 
     report = DataReport()
-    train_rows, eval_rows = load_step_data(cfg.data, "ppo", report)
-    train_prompts = prompt_dataset(train_rows, tokenizer, step_cfg.max_prompt_len, report, "train")
-    eval_prompts = prompt_dataset(eval_rows, tokenizer, step_cfg.max_prompt_len, report, "eval")[:step_cfg.eval_prompts]
+    train_rows, eval_rows = load_step_data(cfg.data, "ppo", report, tokenizer)
+    train_prompts = prompt_dataset(train_rows, tokenizer, step_cfg.max_prompt_len, report, "train",
+                                   cfg.data.long_prompts)
+    eval_prompts = prompt_dataset(eval_rows, tokenizer, step_cfg.max_prompt_len, report, "eval",
+                                  cfg.data.long_prompts)[:step_cfg.eval_prompts]
     # Greedy accuracy is measured by the rule wherever the rule knows the prompts, even when the
     # rule is not part of the reward: that is the check against the truth.
     eval_rule = rule_fn or (synthetic.rule_score if all(synthetic.parse_prompt(p["prompt"]) for p in eval_prompts)
@@ -219,7 +221,7 @@ def run(cfg: Config) -> dict:
         step_cfg.micro_batch_size_per_device * cfg.gradient_accumulation_steps)
     ptx_iter = None
     if step_cfg.ptx_coef > 0:
-        ptx_rows, _ = load_step_data(cfg.data, "sft", report)
+        ptx_rows, _ = load_step_data(cfg.data, "sft", report, tokenizer)
         ptx_ds = sft_dataset(ptx_rows, tokenizer, step_cfg.max_prompt_len + step_cfg.max_new_tokens, "all", report,
                              "ptx", cfg.data.on_bad_row)
         ptx_loader = DataLoader(ptx_ds, batch_size=step_cfg.micro_batch_size_per_device, drop_last=True,

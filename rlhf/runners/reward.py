@@ -121,7 +121,7 @@ def run(cfg: Config) -> dict:
     tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
 
     report = DataReport()
-    train_rows, eval_rows = load_step_data(cfg.data, "reward", report)
+    train_rows, eval_rows = load_step_data(cfg.data, "reward", report, tokenizer)
     train_ds = pair_dataset(train_rows, tokenizer, step_cfg.max_seq_len, report, "train", cfg.data.on_bad_row)
     eval_ds = pair_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, report, "eval", cfg.data.on_bad_row)
     if rank == 0:

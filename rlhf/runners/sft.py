@@ -66,7 +66,7 @@ def run(cfg: Config) -> dict:
     tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
 
     report = DataReport()
-    train_rows, eval_rows = load_step_data(cfg.data, "sft", report)
+    train_rows, eval_rows = load_step_data(cfg.data, "sft", report, tokenizer)
     train_ds = sft_dataset(train_rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, report, "train",
                            cfg.data.on_bad_row)
     eval_ds = sft_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, report, "eval",
