@@ -180,3 +180,39 @@ def test_candidate_answers_hold_one_right_answer():
     cands = synthetic.candidate_answers(" Human: sort d b a c Assistant:", 6, random.Random(0))
     assert len(cands) == 6 and [a for a, s in cands if s == 1.0] == [" a b c d"]
     assert all(synthetic.rule_score(" Human: sort d b a c Assistant:", a) == s for a, s in cands)
+
+
+def test_tokenized_cache_hits_and_misses_on_every_keyed_setting(tmp_path):
+    import os
+    import shutil
+
+    from rlhf.config import ModelConfig
+    from rlhf.data.cache import cached_step_data
+    from rlhf.models import load_tokenizer, resolve_path
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in ("train", "eval"):
+        lines = open(ROOT / "data" / "synthetic" / "sort" / f"{split}.jsonl").readlines()[:200]
+        (src / f"{split}.jsonl").write_text("".join(lines))
+    tok = load_tokenizer(resolve_path(ModelConfig(name="tiny-llama", random_init=True)))
+
+    def load(cfg: DataConfig, max_len: int = 64):
+        report = DataReport()
+        train, eval_ds, prompts = cached_step_data(
+            "sft", cfg, tok, {"max_seq_len": max_len}, report,
+            lambda rows, split, rep: sft_dataset(rows, tok, max_len, "answer", rep, split))
+        return report.cache["hit"], train, report
+
+    cfg = DataConfig(name="t", sources=[SourceConfig(path=str(src))])
+    hit, first, report = load(cfg)
+    assert not hit and report.sources and len(first) == 40  # 2/10 of 200 rows
+    hit, again, _ = load(cfg)
+    assert hit and again["input_ids"] == first["input_ids"]
+    assert not load(cfg, max_len=32)[0], "a length setting is part of the key"
+    assert not load(DataConfig(name="t", sources=[SourceConfig(path=str(src))], seed=7))[0], "so is the split seed"
+    os.utime(src / "train.jsonl", ns=(1, 1))
+    assert not load(cfg)[0], "and the source files"
+    tok.chat_template = "{{ messages }}"
+    assert not load(cfg)[0], "and the tokenizer with its chat template"
+    shutil.rmtree(src)

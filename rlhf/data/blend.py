@@ -32,13 +32,14 @@ class DataReport:
     sources: dict[str, dict] = field(default_factory=dict)
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     truncated: dict[str, int] = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
 
     def drop(self, split: str, reason: str, n: int = 1) -> None:
         bucket = self.dropped.setdefault(split, {})
         bucket[reason] = bucket.get(reason, 0) + n
 
     def as_dict(self) -> dict:
-        return {"sources": self.sources, "dropped": self.dropped, "truncated": self.truncated}
+        return {"sources": self.sources, "dropped": self.dropped, "truncated": self.truncated, "cache": self.cache}
 
 
 def _split_files(folder: Path) -> dict[str, str]:

@@ -27,7 +27,8 @@ from rlhf import losses, models
 from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
 from rlhf.config import Config
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.blend import DataReport
+from rlhf.data.cache import cached_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.runners.common import (
     Throughput,
@@ -121,16 +122,16 @@ def run(cfg: Config) -> dict:
     tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
 
     report = DataReport()
-    train_rows, eval_rows = load_step_data(cfg.data, "reward", report, tokenizer)
-    train_ds = pair_dataset(train_rows, tokenizer, step_cfg.max_seq_len, report, "train", cfg.data.on_bad_row)
-    eval_ds = pair_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, report, "eval", cfg.data.on_bad_row)
+    train_ds, eval_ds, eval_prompts = cached_step_data(
+        "reward", cfg.data, tokenizer, {"max_seq_len": step_cfg.max_seq_len}, report,
+        lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
     if rank == 0:
         (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = train_loader(train_ds, cfg, rank, world, collate)
     evaluation = eval_loader(eval_ds, cfg, rank, world, collate)
     # The rule check runs only where the rule knows every eval prompt (the shipped tasks).
-    rule_prompts = list(dict.fromkeys(eval_rows["prompt"]))
+    rule_prompts = list(dict.fromkeys(eval_prompts))
     if step_cfg.rule_check_answers == 0 or any(synthetic.parse_prompt(p) is None for p in rule_prompts):
         rule_prompts = []
     total_steps = plan_steps(cfg, len(loader), len(train_ds))

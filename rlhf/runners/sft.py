@@ -23,7 +23,8 @@ from rlhf import models, rollout
 from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
 from rlhf.config import Config
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.blend import DataReport
+from rlhf.data.cache import cached_step_data
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.logging import format_line
 from rlhf.runners.common import (
@@ -66,11 +67,10 @@ def run(cfg: Config) -> dict:
     tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
 
     report = DataReport()
-    train_rows, eval_rows = load_step_data(cfg.data, "sft", report, tokenizer)
-    train_ds = sft_dataset(train_rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, report, "train",
-                           cfg.data.on_bad_row)
-    eval_ds = sft_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, report, "eval",
-                          cfg.data.on_bad_row)
+    train_ds, eval_ds, eval_prompts = cached_step_data(
+        "sft", cfg.data, tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on}, report,
+        lambda rows, split, rep: sft_dataset(rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, rep, split,
+                                             cfg.data.on_bad_row))
     if rank == 0:
         (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
     collate = PadCollator(tokenizer.pad_token_id)
@@ -79,9 +79,9 @@ def run(cfg: Config) -> dict:
     total_steps = plan_steps(cfg, len(loader), len(train_ds))
     # Greedy accuracy by the rule, where the rule knows the eval prompts (the shipped tasks).
     accuracy_prompts = []
-    if step_cfg.eval_accuracy_prompts and all(synthetic.parse_prompt(p) for p in eval_rows["prompt"]):
-        accuracy_prompts = rollout.prompt_dataset(eval_rows, tokenizer, step_cfg.max_seq_len, report,
-                                                  "eval")[: step_cfg.eval_accuracy_prompts]
+    if step_cfg.eval_accuracy_prompts and all(synthetic.parse_prompt(p) for p in eval_prompts):
+        accuracy_prompts = rollout.prompt_dataset([{"prompt": p} for p in eval_prompts], tokenizer,
+                                                  step_cfg.max_seq_len, report, "eval")[: step_cfg.eval_accuracy_prompts]
 
     def evaluate() -> dict[str, float]:
         metrics = perplexity(engine, evaluation)
