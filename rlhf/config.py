@@ -255,6 +255,9 @@ class DataConfig:
     # Rows that cannot be used (empty, too long, chosen == rejected): drop (or skip: the same) and count
     # them in data_report.json, or error naming the source, row and column.
     on_bad_row: str = "drop"
+    # Unsupervised text for PPO's ptx loss (a "text" column, or columns: {text: <column>}); empty: the
+    # blend's SFT part (prompt + chosen).
+    ptx_sources: list[SourceConfig] = field(default_factory=list)
     # PPO prompts longer than step.max_prompt_len: drop and count (DeepSpeed-Chat's rule), or keep their
     # last tokens (truncate_left: the end of a conversation matters most).
     long_prompts: str = "drop"
@@ -279,6 +282,9 @@ class DataConfig:
             path = os.path.expanduser(src.path)
             if looks_local(src.path) and not os.path.exists(path):
                 raise ConfigError(f"data.sources[{i}].path={src.path!r} does not exist")
+        for i, src in enumerate(self.ptx_sources):
+            if looks_local(src.path) and not os.path.exists(os.path.expanduser(src.path)):
+                raise ConfigError(f"data.ptx_sources[{i}].path={src.path!r} does not exist")
         try:
             parts = [float(x) for x in self.split.split(",")]
         except ValueError:

@@ -64,15 +64,20 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
         assert ds["reward"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
-def test_ppo_with_rule_reward_grpo_and_ema(tmp_path, sft_and_reward):
+def test_ppo_with_rule_reward_grpo_ema_and_ptx_text(tmp_path, sft_and_reward):
     sft, _ = sft_and_reward
-    final = run(compose([*PPO_FAST, "step.reward_fn=rule", "step.reward_model_weight=0",
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "train.jsonl").write_text("".join(
+        json.dumps({"body": f"plain text number {i} for the pretraining loss"}) + "\n" for i in range(40)))
+    final = run(compose([*PPO_FAST, "step.reward_fn=rule", "step.reward_model_weight=0", "step.ptx_coef=0.5",
+                         f"data.ptx_sources=[{{path: {tmp_path / 'ptx'}, columns: {{text: body}}}}]",
                          "step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.ema_decay=0.9",
                          "step.kl_estimator=k3", "step.kl_target=0.1", f"actor.path={sft}", f"run_dir={tmp_path}"]))
     assert "eval/accuracy" in final and "eval/rm_score" not in final
     assert (tmp_path / "model_ema" / "config.json").exists()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "policy_loss" in line]
     assert rows[-1]["kl_coef"] != 0.05, "the adaptive controller moves the coefficient"
+    assert all(r["ptx_loss"] > 0 for r in rows)
 
 
 def test_ppo_config_errors_name_the_key():

@@ -88,30 +88,45 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
     return ds.map(safe, with_indices=True, remove_columns=ds.column_names)
 
 
+def _raw(src: SourceConfig, split: str, key: str) -> Dataset:
+    path = os.path.expanduser(src.path)
+    if not looks_local(src.path):
+        return load_dataset(HUB_IDS.get(src.path, src.path), split=split)
+    p = Path(path)
+    if p.is_dir():
+        files = _split_files(p)
+        if split not in files:
+            raise FileNotFoundError(f"{key}.path={src.path!r} has no '{split}' file "
+                                    f"(found: {', '.join(files) or 'none'}; formats {', '.join(FORMATS)})")
+        return load_dataset(FORMATS[Path(files[split]).suffix], data_files={split: files[split]}, split=split)
+    if p.suffix not in FORMATS:
+        raise ValueError(f"{key}.path={src.path!r}: unknown format {p.suffix!r}; use {', '.join(FORMATS)}")
+    return load_dataset(FORMATS[p.suffix], data_files={"train": path}, split="train")
+
+
+def load_text_sources(cfg: DataConfig) -> list[str]:
+    """Texts of data.ptx_sources: their `text` column (or columns.text)."""
+    texts: list[str] = []
+    for i, src in enumerate(cfg.ptx_sources):
+        ds = _raw(src, src.train_split, f"data.ptx_sources[{i}]")
+        column = src.columns.get("text", "text")
+        if column not in ds.column_names:
+            raise ValueError(f"data.ptx_sources[{i}].path={src.path!r} has no column {column!r} "
+                             f"(columns: {ds.column_names}); set data.ptx_sources[{i}].columns.text")
+        texts += [t for t in ds[column] if isinstance(t, str) and t.strip()]
+    return texts
+
+
 def load_source(src: SourceConfig, split: str, index: int, tokenizer=None) -> Dataset:
     """One split of one source in the common columns, with ``source`` and ``row`` columns for error messages."""
-    path = os.path.expanduser(src.path)
     key = f"data.sources[{index}]"
-    if looks_local(src.path):
-        p = Path(path)
-        if p.is_dir():
-            files = _split_files(p)
-            if split not in files:
-                raise FileNotFoundError(f"{key}.path={src.path!r} has no '{split}' file "
-                                        f"(found: {', '.join(files) or 'none'}; formats {', '.join(FORMATS)})")
-            ds = load_dataset(FORMATS[Path(files[split]).suffix], data_files={split: files[split]}, split=split)
-        else:
-            if split != src.train_split:
-                raise FileNotFoundError(f"{key}.path={src.path!r} is a single file; it has no '{split}' split. "
-                                        "Point the source at a folder with train and eval files.")
-            if p.suffix not in FORMATS:
-                raise ValueError(f"{key}.path={src.path!r}: unknown format {p.suffix!r}; use {', '.join(FORMATS)}")
-            ds = load_dataset(FORMATS[p.suffix], data_files={"train": path}, split="train")
-    else:
-        hub_id = HUB_IDS.get(src.path, src.path)
-        if split == src.eval_split == "eval" and src.path in EVAL_SPLITS:
-            split = EVAL_SPLITS[src.path]  # the dataset's own name for its evaluation split
-        ds = load_dataset(hub_id, split=split)
+    local_file = looks_local(src.path) and Path(os.path.expanduser(src.path)).is_file()
+    if local_file and split != src.train_split:
+        raise FileNotFoundError(f"{key}.path={src.path!r} is a single file; it has no '{split}' split. "
+                                "Point the source at a folder with train and eval files.")
+    if not looks_local(src.path) and split == src.eval_split == "eval" and src.path in EVAL_SPLITS:
+        split = EVAL_SPLITS[src.path]  # the dataset's own name for its evaluation split
+    ds = _raw(src, split, key)
     ds = _adapt(ds, src, key, tokenizer)
     ds = ds.add_column("row", list(range(len(ds))))
     return ds.add_column("source", [src.path] * len(ds))

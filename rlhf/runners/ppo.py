@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
@@ -35,7 +36,7 @@ from rlhf.checkpoint import (
 )
 from rlhf.config import Config, ConfigError
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.blend import DataReport, load_step_data, load_text_sources
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.logging import peak_memory_gb
 from rlhf.rewards import REWARD_FNS
@@ -221,9 +222,13 @@ def run(cfg: Config) -> dict:
         step_cfg.micro_batch_size_per_device * cfg.gradient_accumulation_steps)
     ptx_iter = None
     if step_cfg.ptx_coef > 0:
-        ptx_rows, _ = load_step_data(cfg.data, "sft", report, tokenizer)
-        ptx_ds = sft_dataset(ptx_rows, tokenizer, step_cfg.max_prompt_len + step_cfg.max_new_tokens, "all", report,
-                             "ptx", cfg.data.on_bad_row)
+        ptx_len = step_cfg.max_prompt_len + step_cfg.max_new_tokens
+        if cfg.data.ptx_sources:  # unsupervised text: next-token loss on all of it, cut to the rollout length
+            ids = [(tokenizer(t).input_ids + [tokenizer.eos_token_id])[:ptx_len] for t in load_text_sources(cfg.data)]
+            ptx_ds = Dataset.from_dict({"input_ids": ids, "labels": ids})
+        else:
+            ptx_rows, _ = load_step_data(cfg.data, "sft", report, tokenizer)
+            ptx_ds = sft_dataset(ptx_rows, tokenizer, ptx_len, "all", report, "ptx", cfg.data.on_bad_row)
         ptx_loader = DataLoader(ptx_ds, batch_size=step_cfg.micro_batch_size_per_device, drop_last=True,
                                 sampler=DistributedSampler(ptx_ds, num_replicas=world, rank=rank, seed=cfg.seed),
                                 collate_fn=PadCollator(tokenizer.pad_token_id))
