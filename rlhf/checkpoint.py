@@ -165,6 +165,19 @@ class Checkpointer:
         self._barrier()
         return final
 
+    def after_step(self, step: int, state: dict, stop: StopRequest, logger, what: str) -> None:
+        """At an optimizer-step boundary: save when due or when a signal asked to stop; then stop."""
+        if self.due(step) or stop:
+            self.save(step, state)
+        if stop:
+            logger.close()
+            raise SystemExit(f"[{what}] stopped by signal {stop.signum} after step {step}; checkpoint saved")
+
+    def stop_nonfinite(self, step: int, state: dict, what: str, value: float, unit: str = "optimizer step"):
+        """Save the state, marked and never made `latest`, and stop the run naming the step."""
+        where = self.save(step, state, name=f"nonfinite_step_{step:08d}", make_latest=False)
+        raise FloatingPointError(f"{what} is {value} at {unit} {step}; the state is saved, marked, in {where}")
+
     def load(self) -> dict | None:
         """Restore the engines from the latest checkpoint; its client state (RNG states under
         "rng", for the runner to set where its straight run was), or None."""

@@ -83,14 +83,17 @@ def count_params(module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
-def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, last: dict, logger) -> dict:
-    """Save the model (HF format) and write final_metrics.json -- the marker of a finished step, so
-    it is written last."""
+def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, last: dict, logger,
+           save_more=None) -> dict:
+    """Save the model (HF format), then whatever ``save_more(final)`` saves besides, and write
+    final_metrics.json -- the marker of a finished step, so it is written last."""
     run_dir = Path(cfg.run_dir)
     final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
     if cfg.step.save_model:
         save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         final["model_dir"] = str(run_dir / "model")
+        if save_more is not None:
+            save_more(final)
     if rank == 0:
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
     logger.close()

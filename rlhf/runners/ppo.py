@@ -41,7 +41,7 @@ from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.logging import peak_memory_gb
 from rlhf.rewards import REWARD_FNS
 from rlhf.rollout import answer_texts, evaluate, generate, left_pad, position_ids, prompt_dataset, response_mask
-from rlhf.runners.common import count_params, open_logger
+from rlhf.runners.common import count_params, finish, open_logger
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -322,8 +322,7 @@ def run(cfg: Config) -> dict:
             kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
             total_loss = train["policy_loss"] + train["value_loss"]
             if not math.isfinite(total_loss):
-                where = ckpt.save(step, state(epoch, index + 1), name=f"nonfinite_step_{step:08d}", make_latest=False)
-                raise FloatingPointError(f"PPO loss is {total_loss} at PPO step {step}; saved (marked) in {where}")
+                ckpt.stop_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
             t3 = time.perf_counter()
             n_seq, seq_len = exp["seq"].shape
             gen_tokens = exp["mask"].sum().item()
@@ -345,11 +344,7 @@ def run(cfg: Config) -> dict:
                 last, last_eval_step = full_eval(step), step
             if step >= ppo_steps:
                 break
-            if ckpt.due(step) or stop:
-                ckpt.save(step, state(epoch, index + 1))
-            if stop:
-                logger.close()
-                raise SystemExit(f"[ppo] stopped by signal {stop.signum} after PPO step {step}; checkpoint saved")
+            ckpt.after_step(step, state(epoch, index + 1), stop, logger, "ppo")
         skip = 0
         if step >= ppo_steps:
             break
@@ -359,22 +354,18 @@ def run(cfg: Config) -> dict:
         last = full_eval(step)
 
     # -------------------------------------------------------------------------------- save
-    final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
     # How far the weights moved, as |change| of (sum, sum of squares): 0 for the frozen reference.
-    for role, eng in (("actor", actor), ("reference", ref)):
-        now = param_fingerprint(eng)
-        final[f"{role}_weight_change"] = max(abs(a - b) for a, b in zip(now, fingerprints[role], strict=True))
-    if step_cfg.save_model:
-        save_hf_model(actor, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
+    moved = {f"{role}_weight_change": max(abs(a - b) for a, b in zip(param_fingerprint(eng), fingerprints[role],
+                                                                        strict=True))
+             for role, eng in (("actor", actor), ("reference", ref))}
+
+    def save_critic_and_ema(final: dict) -> None:
         save_hf_model(critic, tokenizer, run_dir / "critic")
-        final["model_dir"] = str(run_dir / "model")
         if ema is not None and rank == 0:
             _ema_save(ema, actor, tokenizer, run_dir / "model_ema")
             final["ema_dir"] = str(run_dir / "model_ema")
-    if rank == 0:
-        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
-    logger.close()
-    return final
+
+    return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved}, logger, save_critic_and_ema)
 
 
 def _forever(loader):

@@ -190,9 +190,7 @@ def run(cfg: Config) -> dict:
                 loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
             value = loss.item()
             if not math.isfinite(value):
-                where = ckpt.save(step, state(epoch, index), name=f"nonfinite_step_{step + 1:08d}", make_latest=False)
-                raise FloatingPointError(f"reward loss is {value} at optimizer step {step + 1}; the state before it "
-                                         f"is saved in {where}")
+                ckpt.stop_nonfinite(step + 1, state(epoch, index), "reward loss", value)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
@@ -216,11 +214,7 @@ def run(cfg: Config) -> dict:
                 last, last_eval_step = full_eval(step, epoch), step
             if step >= total_steps:
                 break
-            if ckpt.due(step) or stop:
-                ckpt.save(step, state(epoch, index + 1))
-            if stop:
-                logger.close()
-                raise SystemExit(f"[reward] stopped by signal {stop.signum} after step {step}; checkpoint saved")
+            ckpt.after_step(step, state(epoch, index + 1), stop, logger, "reward")
         skip = 0
         if last_eval_step != step:
             last, last_eval_step = full_eval(step, epoch + 1), step

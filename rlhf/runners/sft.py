@@ -136,9 +136,7 @@ def run(cfg: Config) -> dict:
             loss = engine(**batch).loss
             value = loss.item()
             if not math.isfinite(value):
-                where = ckpt.save(step, state(epoch, index), name=f"nonfinite_step_{step + 1:08d}", make_latest=False)
-                raise FloatingPointError(f"SFT loss is {value} at optimizer step {step + 1}; the state before it is "
-                                         f"saved in {where}")
+                ckpt.stop_nonfinite(step + 1, state(epoch, index), "SFT loss", value)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
@@ -166,11 +164,7 @@ def run(cfg: Config) -> dict:
                     total_steps = step
             if step >= total_steps:
                 break
-            if ckpt.due(step) or stop:
-                ckpt.save(step, state(epoch, index + 1))
-            if stop:
-                logger.close()
-                raise SystemExit(f"[sft] stopped by signal {stop.signum} after step {step}; checkpoint saved")
+            ckpt.after_step(step, state(epoch, index + 1), stop, logger, "sft")
         skip = 0
         if last_eval_step != step:
             last_eval, last_eval_step = evaluate(), step
