@@ -163,6 +163,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         if schema.hardware.nodes > 1 and not schema.launch.hostfile:
             schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""
+        if schema.model.random_init and not schema.model.path:
+            from rlhf.models import resolve_path
+
+            resolve_path(schema.model)  # once, here, before any rank starts and would race to build it
         return launch_ranks(schema, run_dir)
     from rlhf.worker import main
 

@@ -107,9 +107,23 @@ def _random_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast):
     raise ValueError(f"model.family={cfg.family!r}: random models are built for opt and llama only")
 
 
+# A cache entry is usable only when all of these were written; a marker file written last says so.
+_ENTRY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_COMPLETE = ".complete"
+
+
+def cache_entry_complete(path: Path) -> bool:
+    return (path / _COMPLETE).exists() and all((path / f).exists() for f in _ENTRY_FILES)
+
+
 def build_random_model(cfg: ModelConfig, out: Path) -> Path:
-    """Write a random model + tokenizer into ``out`` (atomically: concurrent builders are safe)."""
-    if (out / "config.json").exists():
+    """Write a random model + tokenizer into ``out``, atomically, and never hand back an incomplete folder.
+
+    Each builder writes into its own temporary folder, checks it, and renames it into place. An
+    existing entry that lacks a file (a crashed or interrupted builder) is moved aside and rebuilt.
+    Concurrent builders are safe: the loser of the rename keeps the winner's (complete) entry.
+    """
+    if cache_entry_complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -122,16 +136,36 @@ def build_random_model(cfg: ModelConfig, out: Path) -> Path:
         model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                    eos_token_id=tokenizer.eos_token_id,
                                                    pad_token_id=tokenizer.pad_token_id)
-        model.save_pretrained(tmp)
+        # is_main_process: inside a multi-rank job transformers would skip the weights on rank > 0.
+        model.save_pretrained(tmp, is_main_process=True)
         tokenizer.save_pretrained(tmp)
+        (tmp / _COMPLETE).write_text("")
+        if not cache_entry_complete(tmp):
+            missing = [f for f in _ENTRY_FILES if not (tmp / f).exists()]
+            raise RuntimeError(f"building the random model {cfg.name} wrote no {', '.join(missing)} in {tmp}")
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    for _ in range(3):
         try:
             os.rename(tmp, out)
-        except OSError:  # another process finished first; its files are identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+            return
+        except OSError:  # `out` exists: another builder won, or an incomplete entry is in the way
+            if cache_entry_complete(out):
+                return
+            stale = out.parent / f".{out.name}-stale-{os.getpid()}"
+            try:
+                os.rename(out, stale)
+            except OSError:
+                continue  # someone else moved it aside first; try again
+            print(f"[models] rebuilt incomplete cache entry {out}", flush=True)
+            shutil.rmtree(stale, ignore_errors=True)
+    if not cache_entry_complete(out):
+        raise RuntimeError(f"could not put the random model into {out}; delete that folder and run again")
 
 
 def resolve_path(cfg: ModelConfig) -> str:

@@ -61,11 +61,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def build_shared_artifacts(cfg: Config) -> None:
+    """Files every rank reads (the random model's cache entry) are built by one rank per node while
+    the others wait: ranks building at once raced for the folder. launch.py already builds them
+    before the ranks start; this covers nodes that do not share its cache."""
+    import torch.distributed as dist
+
+    from rlhf import models
+
+    if not (cfg.model.random_init and not cfg.model.path):
+        return
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        models.resolve_path(cfg.model)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def main(cfg: Config) -> dict:
     from rlhf.runners import RUNNERS
 
     quiet_libraries()
     init_distributed(cfg)
+    build_shared_artifacts(cfg)
     seed_everything(cfg.seed)
     return RUNNERS[cfg.step.name](cfg)
 

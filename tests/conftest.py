@@ -1,25 +1,45 @@
-"""Shared test fixtures: hermetic caches, offline hubs, and Hydra composition of the real conf/."""
+"""Shared test fixtures: hermetic caches, offline hubs, Hydra composition of the real conf/, and
+the one way tests start `launch.py` (or any module) in a subprocess.
+
+The caches are set when this module is imported -- before any test module copies os.environ --
+so nothing a test starts, in-process or in a subprocess, writes to the user's caches.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+_CACHE = Path(tempfile.mkdtemp(prefix="rlhf-test-cache-"))
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["RLHF_CACHE"] = str(_CACHE / "rlhf")
+os.environ["HF_HOME"] = str(_CACHE / "hf")
+os.environ["HF_DATASETS_CACHE"] = str(_CACHE / "datasets")
+os.environ["WANDB_DIR"] = str(_CACHE / "wandb")
+os.environ["MPLCONFIGDIR"] = str(_CACHE / "matplotlib")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Set by in-process runs (a single process tells DeepSpeed its world); a subprocess that starts
+# ranks must not inherit them.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 @pytest.fixture(scope="session", autouse=True)
-def rlhf_cache(tmp_path_factory):
-    """Random models are built into a fresh cache per test session, never a user's."""
-    path = tmp_path_factory.mktemp("rlhf_cache")
-    os.environ["RLHF_CACHE"] = str(path)
-    return path
+def rlhf_cache():
+    """The test session's random-model cache (a fresh temporary folder, never a user's)."""
+    return Path(os.environ["RLHF_CACHE"])
 
 
 def compose(overrides: list[str] | None = None):
@@ -27,3 +47,24 @@ def compose(overrides: list[str] | None = None):
     from rlhf.launch import compose_config
 
     return compose_config(overrides or [])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without the rank variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, module: str | None = None, timeout: float = 600, input: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python launch.py ARGS` (or `python -m MODULE ARGS`) from the checkout, output captured."""
+    cmd = [sys.executable, *(["-m", module] if module else ["launch.py"]), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, input=input,
+                          env=env or clean_env())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

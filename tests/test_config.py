@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from rlhf.config import Config, ConfigError, SFTStepConfig, to_schema
-from tests.conftest import ROOT, compose
+from tests.conftest import ROOT, compose, run_cli
 
 GROUP_FILES = sorted(p for p in (ROOT / "conf").rglob("*.yaml") if p.parent != ROOT / "conf")
 
@@ -106,7 +105,7 @@ def test_choice_errors_list_the_allowed_values():
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_cli(*args, timeout=300)
 
 
 def test_cli_zero_7_exits_nonzero_naming_zero():

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -15,22 +11,11 @@ from rlhf import memory
 from rlhf.config import ConfigError, to_schema
 from rlhf.engine import ds_config
 from rlhf.launch import role_model, run
-from tests.conftest import ROOT, compose
+from tests.conftest import ROOT, compose, free_port, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
-
-
-def _launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=CLEAN_ENV)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_launch = run_cli
+_free_port = free_port
 
 
 def test_required_presets_and_experiments_exist():

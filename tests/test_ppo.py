@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlhf.config import ConfigError, to_schema
 from rlhf.launch import run
-from tests.conftest import ROOT, compose
+from tests.conftest import compose, run_cli
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
 PPO_FAST = ["step=ppo", "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=8",
@@ -117,15 +114,12 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
 
 def test_chat_cli_answers_clears_and_quits(sft_and_reward):
     sft, _ = sft_and_reward
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "rlhf.chat", "--path", str(sft), "--max-new-tokens", "6"],
-                          input="sort d b a c\nclear\nsort z y x w\nquit\nnever read\n", capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=300)
+    proc = run_cli("--path", str(sft), "--max-new-tokens", "6", module="rlhf.chat", timeout=300,
+                   input="sort d b a c\nclear\nsort z y x w\nquit\nnever read\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("Assistant:") == 2 and "(conversation cleared)" in proc.stdout
 
 
 def test_chat_cli_refuses_a_folder_without_a_causal_lm(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rlhf.chat", "--path", str(tmp_path)], input="quit\n",
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = run_cli("--path", str(tmp_path), module="rlhf.chat", input="quit\n", timeout=300)
     assert proc.returncode != 0 and "cannot load a causal LM" in proc.stderr

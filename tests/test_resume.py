@@ -5,7 +5,6 @@ boundary, and with a checkpoint write cut short. Also: a finished run does nothi
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,10 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.launch import run
-from tests.conftest import ROOT, compose
+from tests.conftest import ROOT, clean_env, compose, run_cli
 
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                         "MASTER_PORT")}
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32"]
 
 
@@ -29,13 +26,13 @@ def _cmd(args: list[str], run_dir: Path) -> list[str]:
 
 
 def _straight(args: list[str], run_dir: Path) -> None:
-    proc = subprocess.run(_cmd(args, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = run_cli(*args, *QUIET, f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _kill_after(args: list[str], run_dir: Path, key: str, rows: int, sig: int = signal.SIGKILL) -> int:
     """Start the run and send `sig` once metrics.jsonl holds `rows` lines with `key`; its exit code."""
-    proc = subprocess.Popen(_cmd(args, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(args, run_dir), cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
@@ -65,7 +62,7 @@ SFT = ["step=sft", "step.max_steps=30", "step.log_every_steps=1", "checkpoint.ev
 def test_sft_resumes_exactly_after_sigkill_mid_epoch(tmp_path):
     _straight(SFT, tmp_path / "a")
     _kill_after(SFT, tmp_path / "b", "loss", 12)
-    out = subprocess.run(_cmd(SFT, tmp_path / "b"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out = run_cli(*SFT, *QUIET, f"run_dir={tmp_path / 'b'}")
     assert out.returncode == 0 and "resumed at step" in out.stdout
     _same_result(tmp_path / "a", tmp_path / "b", "loss")
 
@@ -78,7 +75,7 @@ def test_sft_resumes_at_an_epoch_boundary_and_trains_the_remaining_epochs(tmp_pa
     _kill_after(args, tmp_path / "b", "loss", 12)
     latest = (tmp_path / "b" / "checkpoints" / "latest").read_text()
     assert latest in ("step_00000010", "step_00000020")
-    out = subprocess.run(_cmd(args, tmp_path / "b"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out = run_cli(*args, *QUIET, f"run_dir={tmp_path / 'b'}")
     assert out.returncode == 0 and "micro batch 0" in out.stdout
     _same_result(tmp_path / "a", tmp_path / "b", "loss")
     assert json.loads((tmp_path / "b" / "final_metrics.json").read_text())["step"] == 30
@@ -95,7 +92,7 @@ def test_a_checkpoint_write_cut_short_leaves_the_previous_one_usable(tmp_path):
     (partial / "model").mkdir()
     (partial / "model" / "mp_rank_00_model_states.pt").write_bytes(b"\x00 truncated")
     latest = (ckpts / "latest").read_text()
-    out = subprocess.run(_cmd(SFT, tmp_path / "b"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out = run_cli(*SFT, *QUIET, f"run_dir={tmp_path / 'b'}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resumed at step {int(latest.split('_')[1])}" in out.stdout
     _same_result(tmp_path / "a", tmp_path / "b", "loss")

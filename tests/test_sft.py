@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -89,16 +88,10 @@ def test_zero_stages_offload_and_checkpointing_train_the_same(tmp_path):
 
 def test_cli_default_command_writes_loss_metrics(tmp_path):
     """The documented command, through Hydra and launch.py as a user runs it."""
-    import subprocess
-    import sys
+    from tests.conftest import run_cli
 
-    from tests.conftest import ROOT
-
-    # In-process runs of this session set RANK/MASTER_PORT...; a fresh process must not inherit them.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "launch.py", "step=sft", "model=tiny-llama", "zero=3", "step.max_steps=10",
-                           "data.max_eval_samples=32", "logging.progress_bar=false", f"run_dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_cli("step=sft", "model=tiny-llama", "zero=3", "step.max_steps=10", "data.max_eval_samples=32",
+                   "logging.progress_bar=false", f"run_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert any("loss" in r for r in rows)

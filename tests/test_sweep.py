@@ -4,20 +4,14 @@ finished jobs, an Optuna search, and wandb's offline files."""
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
-import sys
 
 from rlhf.launch import run
-from tests.conftest import ROOT, compose
-
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
+from tests.conftest import compose, run_cli
 
 
 def _multirun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch.py", "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env=CLEAN_ENV)
+    return run_cli("-m", *args, timeout=900)
 
 
 def test_grid_records_a_failed_job_writes_tables_and_a_rerun_skips_finished_jobs(tmp_path):
