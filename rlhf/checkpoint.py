@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+
+from rlhf.distributed import any_rank, sum_over_ranks
 
 
 def gather_state_dict(engine) -> dict[str, torch.Tensor] | None:
@@ -43,8 +46,8 @@ def param_fingerprint(engine) -> tuple[float, float]:
         local = p.ds_tensor if hasattr(p, "ds_tensor") else p.data  # a ZeRO-3 rank holds a shard
         local = local.detach().double().cpu()
         totals += torch.stack([local.sum(), local.pow(2).sum()])
-    if dist.is_initialized() and engine.zero_optimization_stage() == 3:
-        dist.all_reduce(totals)
+    if engine.zero_optimization_stage() == 3:
+        totals = sum_over_ranks(totals)
     return totals[0].item(), totals[1].item()
 
 
@@ -166,17 +169,26 @@ class Checkpointer:
         return final
 
     def after_step(self, step: int, state: dict, stop: StopRequest, logger, what: str) -> None:
-        """At an optimizer-step boundary: save when due or when a signal asked to stop; then stop."""
-        if self.due(step) or stop:
-            self.save(step, state)
-        if stop:
-            logger.close()
-            raise SystemExit(f"[{what}] stopped by signal {stop.signum} after step {step}; checkpoint saved")
+        """At an optimizer-step boundary: save when due or when a signal asked to stop; then stop.
 
-    def stop_nonfinite(self, step: int, state: dict, what: str, value: float, unit: str = "optimizer step"):
-        """Save the state, marked and never made `latest`, and stop the run naming the step."""
+        A signal reaches the ranks at different moments; saving is collective, so every rank acts
+        on the signal as soon as any rank has it (a rank saving alone would hang the job)."""
+        stop_now = any_rank(bool(stop))
+        if self.due(step) or stop_now:
+            self.save(step, state)
+        if stop_now:
+            logger.close()
+            raise SystemExit(f"[{what}] stopped by signal {stop.signum or 'on another rank'} after step {step}; "
+                             "checkpoint saved")
+
+    def stop_if_nonfinite(self, step: int, state: dict, what: str, value: float, unit: str = "optimizer step"):
+        """When ``value`` is not finite on any rank: save the state, marked and never made `latest`,
+        and stop the run naming the step. Every rank decides from the same reduced flag."""
+        if not any_rank(not math.isfinite(value)):
+            return
         where = self.save(step, state, name=f"nonfinite_step_{step:08d}", make_latest=False)
-        raise FloatingPointError(f"{what} is {value} at {unit} {step}; the state is saved, marked, in {where}")
+        raise FloatingPointError(f"{what} is {value} at {unit} {step} (on this or another rank); the state is "
+                                 f"saved, marked, in {where}")
 
     def load(self) -> dict | None:
         """Restore the engines from the latest checkpoint; its client state (RNG states under

@@ -450,9 +450,15 @@ class PPOStepConfig(StepConfig):
     offload_reward: bool = False
     # Held-out prompts scored by greedy decoding (with the rule, where it applies) at each eval; 0: off.
     eval_prompts: int = 256
+    # ZeRO-3 generation: gathering the whole actor once per generate call is far faster than ZeRO-3's
+    # layer-by-layer gathers (repeated for every token), but needs the full actor on each device.
+    # auto: gather when the memory pre-flight says it fits (rlhf.memory.generation_gathers_whole_model),
+    # else layerwise; gather; layerwise.
+    zero3_generation: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "layerwise"))
         for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",
                     "max_new_tokens", "temperature", "top_p", "kl_horizon", "critic_lr"):
             _positive(f"step.{key}", getattr(self, key))
@@ -628,6 +634,44 @@ class Config:
             raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = "
                               f"{self.step.max_prompt_len + self.step.max_new_tokens} exceeds model.max_positions="
                               f"{self.model.max_positions}")
+
+
+def ppo_updates_per_step(cfg: Config) -> int:
+    """Optimizer steps per PPO step on each rank: every rollout is used ppo_epochs times, micro x
+    accumulation rollouts per optimizer step."""
+    step = cfg.step
+    return step.ppo_epochs * step.rollout_batch_size_per_device // (step.micro_batch_size_per_device *
+                                                                    cfg.gradient_accumulation_steps)
+
+
+def ppo_role_problems(cfg: Config) -> list[str]:
+    """What makes a PPO config unrunnable before any model loads: a missing reward model, or roles
+    whose architecture files (the memory pre-flight's sizes) say they use another tokenizer than
+    the actor. Used by the dry-run, the launcher and the runner alike."""
+    if cfg.step.name != "ppo":
+        return []
+    problems = []
+    if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
+        problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
+                        "output), or use step.reward_fn=rule step.reward_model_weight=0")
+    actor = cfg.model
+    for role in ("critic", "reward"):
+        name = getattr(cfg, role).model
+        if not name or (role == "reward" and cfg.step.reward_model_weight == 0):
+            continue
+        other = load_model_file(name)
+        if (other.family, other.vocab_size) != (actor.family, actor.vocab_size):
+            problems.append(f"{role}.model={name} ({other.family}, vocabulary {other.vocab_size}) does not share the "
+                            f"actor's tokenizer (model={actor.name}: {actor.family}, vocabulary {actor.vocab_size}); "
+                            "PPO feeds the actor's token ids to the critic and reward model")
+    return problems
+
+
+def load_model_file(name: str) -> ModelConfig:
+    """A conf/model file as a ModelConfig (architecture numbers for sizing or checking another role)."""
+    node = OmegaConf.load(PROJECT_ROOT / "conf" / "model" / f"{name}.yaml")
+    node.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
 
 
 def register_configs() -> None:

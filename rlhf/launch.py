@@ -17,7 +17,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import PROJECT_ROOT, Config, ConfigError, to_schema
+from rlhf.config import (
+    PROJECT_ROOT,
+    Config,
+    ConfigError,
+    load_model_file,
+    ppo_role_problems,
+    ppo_updates_per_step,
+    to_schema,
+)
 
 # Environment variables that could carry secrets are never written into the run directory.
 _SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
@@ -55,17 +63,9 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command:
                                                   "env": env}, indent=2))
 
 
-def role_model(name: str):
-    """A conf/model file as a ModelConfig (architecture numbers for sizing another role)."""
-    from rlhf.config import ModelConfig
-
-    node = OmegaConf.load(PROJECT_ROOT / "conf" / "model" / f"{name}.yaml")
-    node.pop("defaults", None)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
-
-
-def preflight(schema: Config, run_dir: Path) -> tuple[bool, str]:
-    """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text."""
+def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
+    """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text;
+    whether the memory fits; and the problems that would make the real run refuse to start."""
     from rlhf import memory
     from rlhf.engine import ds_config
 
@@ -80,8 +80,9 @@ def preflight(schema: Config, run_dir: Path) -> tuple[bool, str]:
     if step.name == "ppo":
         lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
                      f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
-                     f"{step.ppo_epochs * step.rollout_batch_size_per_device // schema.global_batch_size * schema.world_size}"
-                     " optimizer steps each")
+                     f"{ppo_updates_per_step(schema)} optimizer steps each ({step.ppo_epochs} PPO epoch(s) x "
+                     f"{step.rollout_batch_size_per_device} rollouts / {step.micro_batch_size_per_device} micro x "
+                     f"{schema.gradient_accumulation_steps} accumulation)")
         if step.reward_model_weight == 0:
             roles.remove("reward")
     frozen = {"reference": step.offload_reference if step.name == "ppo" else False,
@@ -92,11 +93,18 @@ def preflight(schema: Config, run_dir: Path) -> tuple[bool, str]:
         lines.append(f"deepspeed config [{role}]: {json.dumps(ds)}")
     cmd = launch_command(schema, run_dir) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
     lines.append("launch: " + shlex.join(cmd))
-    critic = role_model(schema.critic.model) if schema.critic.model else None
+    if schema.hardware.nodes > 1:
+        lines.append(f"hostfile: {schema.launch.hostfile} " if schema.launch.hostfile else
+                     f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
+                     f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
+                     "the allocation)")
+    problems = ppo_role_problems(schema)
+    lines += [f"refused: {p}" for p in problems]
+    critic = load_model_file(schema.critic.model) if schema.critic.model else None
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
     lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))
-    return fits, "\n".join(lines)
+    return fits, "\n".join(lines), problems
 
 
 def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:
@@ -145,10 +153,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
         if not schema.launch.dry_run:
             write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
         return run_chain(schema, overrides or [])
-    fits, report = preflight(schema, run_dir)
+    fits, report, problems = preflight(schema, run_dir)
     if schema.launch.dry_run:
         print(report, flush=True)
-        return {"fits": fits}
+        return {"fits": fits and not problems}
+    if problems:
+        raise ConfigError("; ".join(problems))
     if not fits and not schema.launch.force:
         raise ConfigError(f"the run does not fit on {schema.hardware.name}:\n{report}\n"
                           "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "

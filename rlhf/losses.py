@@ -83,14 +83,24 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the masked entries; masked-out entries come back as 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce=None) -> torch.Tensor:
+    """(x - mean) / std over the masked entries; masked-out entries come back as 0.
+
+    ``reduce`` sums a float64 tensor of statistics over the data-parallel ranks (the runner passes
+    an all-reduce), so that every rank whitens with the global batch's mean and std, not its own.
+    """
+    m = mask.to(torch.float64)
+    xd = x.to(torch.float64)
+    stats = torch.stack([(xd * m).sum(), (xd * xd * m).sum(), m.sum()])
+    if reduce is not None:
+        stats = reduce(stats)
+    count = stats[2].clamp(min=1)
+    mean = stats[0] / count
+    var = (stats[1] / count - mean * mean).clamp(min=0)
+    out = (xd - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
-    return out * mask.to(x.dtype)
+    return (out * m).to(x.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -217,9 +227,17 @@ class RunningMoments:
     def __init__(self):
         self.mean, self.var, self.count = 0.0, 1.0, 1e-8
 
-    def update(self, x: torch.Tensor) -> None:
-        n = x.numel()
-        mean, var = x.float().mean().item(), x.float().var(unbiased=False).item() if n > 1 else 0.0
+    def update(self, x: torch.Tensor, reduce=None) -> None:
+        """Fold in a batch; ``reduce`` (an all-reduce sum) makes the batch the global one over ranks."""
+        xd = x.detach().to(torch.float64).flatten()
+        stats = torch.stack([torch.tensor(float(xd.numel()), dtype=torch.float64), xd.sum(), (xd * xd).sum()])
+        if reduce is not None:
+            stats = reduce(stats)
+        n = stats[0].item()
+        if n == 0:
+            return
+        mean = stats[1].item() / n
+        var = max(stats[2].item() / n - mean * mean, 0.0)
         delta = mean - self.mean
         total = self.count + n
         self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total

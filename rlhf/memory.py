@@ -10,6 +10,10 @@ layer in 16-bit -- their 5*a*s^2*b term for attention scores is left out because
 default SDPA attention never materializes the score matrix -- or the layer inputs only (2*s*b*h)
 under checkpointing; a language-model head adds b*s*V*(2 + 4) bytes of logits (scalar-head reward
 models and critics have none). Generation's KV cache is 2 * layers * batch * length * hidden * bytes.
+Under ZeRO-3 the generating model (PPO's actor, SFT's model) is either gathered whole for a
+generate call -- its full 16/32-bit weights resident beside its shard -- or gathered layer by
+layer as in training; ``generation_gathers_whole_model`` picks one, for the pre-flight and the
+runners alike.
 
     python launch.py experiment=opt-13b_8xa100-40g step=ppo launch.dry_run=true   # prints the table
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.config import Config, ModelConfig
+from rlhf.config import Config, ModelConfig, load_model_file
 
 GIB = 2**30
 # Headroom for the CUDA context, allocator fragmentation and communication buffers.
@@ -103,8 +107,38 @@ def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> f
     return 2 * m.num_layers * batch * length * m.hidden_size * (2 if precision in ("fp16", "bf16") else 4)
 
 
-def estimate(cfg: Config, critic_model: ModelConfig | None = None) -> list[RoleMemory]:
-    """Memory of every role of the run's step on one device."""
+# The role that generates in each step that does (PPO's rollouts, SFT's greedy accuracy eval).
+GENERATING_ROLE = {"ppo": "actor", "sft": "model"}
+
+
+def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
+    if critic_model is not None:
+        return critic_model
+    if cfg.critic.model:
+        return load_model_file(cfg.critic.model)
+    return cfg.model
+
+
+def generation_gathers_whole_model(cfg: Config, critic_model: ModelConfig | None = None) -> bool:
+    """Whether a ZeRO-3 generate call holds the whole generating model gathered (one gather per
+    call) rather than layer by layer (ZeRO-3's hooks gather every layer again for every token).
+
+    ``step.zero3_generation`` gather / layerwise decide; auto gathers when this pre-flight says the
+    full 16/32-bit model fits on one device beside everything else the step holds.
+    """
+    if cfg.zero.stage != 3 or cfg.step.name not in GENERATING_ROLE:
+        return False
+    mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
+    if mode != "auto":
+        return mode == "gather"
+    fits, _ = verdict(estimate(cfg, critic_model, gather_whole=True), cfg.hardware.memory_per_device_gb)
+    return fits
+
+
+def estimate(cfg: Config, critic_model: ModelConfig | None = None,
+             gather_whole: bool | None = None) -> list[RoleMemory]:
+    """Memory of every role of the run's step on one device; ``gather_whole`` None: as
+    ``generation_gathers_whole_model`` decides."""
     world, stage, precision = cfg.world_size, cfg.zero.stage, cfg.hardware.precision
     offload_opt = cfg.zero.offload_optimizer.device != "none"
     offload_par = cfg.zero.offload_param.device != "none"
@@ -120,6 +154,15 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None) -> list[RoleM
         r.activations = activation_bytes(m, batch, seq, step.gradient_checkpointing, precision, lm_head)
         if lora:
             r.notes.append(f"LoRA rank {lora}: {trainable / 1e6:.1f}M trainable")
+        if stage == 3 and GENERATING_ROLE.get(step.name) == name:
+            whole = generation_gathers_whole_model(cfg, critic_model) if gather_whole is None else gather_whole
+            if whole:
+                # The gathered copy takes the place of the one-layer working set; the shard stays
+                # beside it unless it lives in host memory.
+                full = (2 if precision in ("fp16", "bf16") else 4) * (total + lora_params)
+                r.weights = full if offload_par else full / world + full
+            key = f" (step.zero3_generation={step.zero3_generation})" if hasattr(step, "zero3_generation") else ""
+            r.notes.append(f"ZeRO-3 generation: {'whole model gathered once per call' if whole else 'layer by layer'}{key}")
         return r
 
     def frozen_role(name: str, m: ModelConfig, offload: bool) -> RoleMemory:
@@ -138,7 +181,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None) -> list[RoleM
         return [trainable_role("model", cfg.model, cfg.lora.rank, micro, step.max_seq_len, True)]
     if step.name == "reward":
         return [trainable_role("reward", cfg.model, cfg.lora.rank, 2 * micro, step.max_seq_len, False)]
-    critic = critic_model or cfg.model
+    critic = _critic(cfg, critic_model)
     seq = step.max_prompt_len + step.max_new_tokens
     actor = trainable_role("actor", cfg.model, cfg.lora.rank, micro, seq, True)
     generating = step.generation_batch_size_per_device or step.rollout_batch_size_per_device

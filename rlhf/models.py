@@ -188,6 +188,21 @@ _DROPOUT_KEYS = ("dropout", "attention_dropout", "activation_dropout", "hidden_d
                  "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
 
 
+def tokenizer_mismatch(a, b) -> str | None:
+    """Why two tokenizers would not give the same ids for the same text (None when they would).
+
+    PPO feeds the actor's token ids to the critic and reward model; a model trained with another
+    vocabulary scores them as noise without any error."""
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} tokens"
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} {getattr(a, name)} vs {getattr(b, name)}"
+    if a.get_vocab() != b.get_vocab():
+        return "the same size but different vocabularies"
+    return None
+
+
 def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dropout: float | None = None,
                    trust_remote_code: bool = False) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -240,6 +255,18 @@ class RewardModel(torch.nn.Module):
 
     def save_pretrained(self, out, state_dict=None, **kwargs) -> None:
         self.hf_model.save_pretrained(out, state_dict=state_dict, **kwargs)
+
+    # The engine factory calls these as it would on any transformers model; the backbone is shared
+    # with hf_model, so switching them on there switches them on here.
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def enable_input_require_grads(self) -> None:
+        self.hf_model.enable_input_require_grads()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.hf_model.is_gradient_checkpointing
 
 
 def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, dropout: float | None = None,

@@ -24,7 +24,8 @@ from rlhf.config import Config
 
 STEP_TITLES = {"sft": "Step 1 (SFT)", "reward": "Step 2 (reward model)", "ppo": "Step 3 (PPO)"}
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
-_CHAIN_KEYS = ("pipeline", "step=", "run_dir=", "actor.path=", "critic.path=", "reward.path=", "hydra.")
+# Role paths typed on the command line are passed on and win over the chain's own outputs.
+_CHAIN_KEYS = ("pipeline", "step=", "run_dir=", "hydra.")
 
 
 def finished(step_dir: Path) -> bool:
@@ -53,6 +54,10 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("step=")]
     if chosen:
         steps = [s for s in steps if s in chosen]
+        for name in schema.pipeline.steps:
+            # A step not run now feeds the next from its earlier output in this chain's folder.
+            if name not in steps and (schema.launch.dry_run or finished(chain_dir / name)):
+                outputs[name] = str(chain_dir / name / "model")
     for name in steps:
         step_dir = chain_dir / name
         extra = list(getattr(schema.pipeline, name))
@@ -67,6 +72,7 @@ def run_chain(schema: Config, overrides: list[str]) -> dict:
         step_overrides = [f"step={name}", *extra, *base, "pipeline.steps=[]", f"run_dir={step_dir}"]
         if schema.launch.dry_run:
             run(compose_config(step_overrides))
+            outputs[name] = str(step_dir / "model")  # where it will be: the next step is judged as it will run
             continue
         if finished(step_dir):
             print(f"[e2e] {STEP_TITLES[name]}: finished output at {step_dir / 'model'}; skipping", flush=True)

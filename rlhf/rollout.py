@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from rlhf import losses
 from rlhf.data.blend import DataReport
+from rlhf.distributed import sum_over_ranks
 
 
 def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str,
@@ -65,16 +66,57 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _zero3_offload(engine):
+    """The object that owns ZeRO-3's per-module gather/release hooks: the optimizer's
+    ``parameter_offload`` on a trainable engine, the optimizer itself on an inference-only one
+    (DeepSpeed builds a ``DeepSpeedZeRoOffload`` there in place of an optimizer)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeRoOffload):
+        return optimizer
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is None:
+        raise RuntimeError(f"a ZeRO-3 engine without parameter offload hooks (optimizer: {type(optimizer).__name__})")
+    return offload
+
+
+@contextlib.contextmanager
+def gathered_whole(engine):
+    """Hold every ZeRO-3 parameter of ``engine`` gathered, with ZeRO-3's module hooks off.
+
+    Gathering alone is not enough: the hooks still release each layer after its forward and
+    gather it again for the next token. The hooks are put back even when the body raises, or the
+    next training step would run on released (empty) parameters.
+    """
+    offload = _zero3_offload(engine)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield engine.module
+        finally:
+            # Re-registering on the root also invalidates the coordinator's recorded fetch order,
+            # which the hook-free forwards above left empty.
+            offload._register_deepspeed_module(offload.module)
+
+
 @torch.no_grad()
 def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0) -> torch.Tensor:
-    """Answers (response tokens only) for a left-padded prompt batch; stops at eos."""
+             top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0, gather_whole: bool = False) -> torch.Tensor:
+    """Answers (response tokens only) for a left-padded prompt batch; stops at eos.
+
+    Under ZeRO-3, ``gather_whole`` (``rlhf.memory.generation_gathers_whole_model``) holds the whole
+    actor gathered for the call; otherwise ZeRO-3's hooks gather one layer at a time, every token.
+    """
     actor.eval()
     zero3 = actor.zero_optimization_stage() == 3
-    # Under ZeRO-3 gather the actor once for the whole generate call instead of once per token.
-    gathered = deepspeed.zero.GatheredParameters(list(actor.module.parameters())) if zero3 else contextlib.nullcontext()
+    gathered = gathered_whole(actor) if zero3 and gather_whole else contextlib.nullcontext()
     sample = do_sample
     with gathered:
+        # synced_gpus even when gathered: the root's start-of-forward hook stays, and it may run a
+        # collective while the fetch trace is recorded, so every rank runs the same number of forwards.
         out = actor.module.generate(
             input_ids=batch["input_ids"].to(actor.device), attention_mask=batch["attention_mask"].to(actor.device),
             do_sample=sample, temperature=temperature if sample else None,
@@ -91,7 +133,7 @@ def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[
 
 @torch.no_grad()
 def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tokens: int,
-             batch_size: int) -> dict[str, float]:
+             batch_size: int, gather_whole: bool = False) -> dict[str, float]:
     """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
     score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts)."""
     if not prompts:
@@ -102,7 +144,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
     sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
-        response = generate(actor, batch, tokenizer, max_new_tokens)
+        response = generate(actor, batch, tokenizer, max_new_tokens, gather_whole=gather_whole)
         rmask = response_mask(response, tokenizer.eos_token_id)
         answers = answer_texts(tokenizer, response, rmask)
         sums[0] += len(answers)
@@ -113,7 +155,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
             seq = torch.cat([batch["input_ids"].to(actor.device), response], 1)
             attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
             sums[2] += losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).sum().item()
-    dist.all_reduce(sums)
+    sums = sum_over_ranks(sums)
     n = sums[0].item()
     out = {"eval/answer_len": sums[3].item() / n}
     if rule_fn is not None:

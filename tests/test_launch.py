@@ -8,9 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf import memory
-from rlhf.config import ConfigError, to_schema
+from rlhf.config import ConfigError, load_model_file, to_schema
 from rlhf.engine import ds_config
-from rlhf.launch import role_model, run
+from rlhf.launch import run
 from tests.conftest import ROOT, compose, free_port, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -38,7 +38,7 @@ def test_every_experiment_dry_runs_with_consistent_batches_and_fits(name, tmp_pa
         ds = ds_config(step_cfg)
         assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
                                           * step_cfg.hardware.nodes * step_cfg.hardware.devices_per_node)
-        critic = role_model(step_cfg.critic.model) if step_cfg.critic.model else None
+        critic = load_model_file(step_cfg.critic.model) if step_cfg.critic.model else None
         fits, line = memory.verdict(memory.estimate(step_cfg, critic), step_cfg.hardware.memory_per_device_gb)
         assert fits, f"{name} {step}: {line}"
 
@@ -68,7 +68,7 @@ def test_model_states_match_deepspeed_estimators(model, stage, offload):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    m = role_model(model)
+    m = load_model_file(model)
     total, largest, _ = memory.param_counts(m)
     ours = sum(memory.model_states(total, largest, total, stage, 8, "fp16", offload, offload))
     if stage == 2:
@@ -83,7 +83,7 @@ def test_parameter_counts_match_the_published_sizes():
     expected = {"opt-125m": 125e6, "opt-1.3b": 1.3e9, "opt-13b": 13e9, "opt-66b": 66e9, "llama2-7b": 6.74e9,
                 "llama2-13b": 13.0e9}
     for name, size in expected.items():
-        assert memory.param_counts(role_model(name))[0] == pytest.approx(size, rel=0.06), name
+        assert memory.param_counts(load_model_file(name))[0] == pytest.approx(size, rel=0.06), name
 
 
 def test_launch_bad_inputs_are_named(tmp_path):

@@ -98,15 +98,3 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
     logger.close()
     return final
-
-
-def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Average logged window statistics over ranks, so rank 0's line describes the global batch."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist(), strict=True))

@@ -14,7 +14,6 @@ The RL math is in rlhf/losses.py.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from rlhf import engine as engine_factory
-from rlhf import losses, models
+from rlhf import losses, memory, models
 from rlhf.checkpoint import (
     Checkpointer,
     StopRequest,
@@ -34,10 +33,11 @@ from rlhf.checkpoint import (
     save_hf_model,
     set_rng_state,
 )
-from rlhf.config import Config, ConfigError
+from rlhf.config import Config, ConfigError, ppo_role_problems, ppo_updates_per_step
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data, load_text_sources
 from rlhf.data.tokenize import PadCollator, sft_dataset
+from rlhf.distributed import cat_over_ranks, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
 from rlhf.rewards import REWARD_FNS
 from rlhf.rollout import answer_texts, evaluate, generate, left_pad, position_ids, prompt_dataset, response_mask
@@ -80,11 +80,12 @@ def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> d
 
 
 @torch.no_grad()
-def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments) -> dict:
+def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
+                    gather_whole: bool = False) -> dict:
     chunk = step_cfg.generation_batch_size_per_device or batch["input_ids"].shape[0]
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
                        step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
-                       step_cfg.top_k, step_cfg.min_new_tokens)
+                       step_cfg.top_k, step_cfg.min_new_tokens, gather_whole)
               for i in range(0, batch["input_ids"].shape[0], chunk)]
     width = max(p.shape[1] for p in pieces)  # chunks may stop at different lengths; pad after their eos
     response = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id)
@@ -112,14 +113,14 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg)
     score = scores["score"].to(device)
     if step_cfg.reward_normalize:
-        moments.update(score)
+        moments.update(score, reduce=sum_over_ranks)  # the global batch's moments: ranks normalize alike
         score = moments.normalize(score)
     rmask_f = rmask.float()
     kl = losses.kl_penalty(old_logprobs, ref_logprobs, step_cfg.kl_estimator) * rmask_f
     rewards = losses.place_rewards(score, kl, rmask_f, kl_ctl.value, step_cfg.reward_clip or None)
     advantages, returns = ADVANTAGES[step_cfg.advantage_estimator](rewards, old_values, rmask_f, score, step_cfg)
     if step_cfg.whiten_advantages:
-        advantages = losses.masked_whiten(advantages, rmask_f)
+        advantages = losses.masked_whiten(advantages, rmask_f, reduce=sum_over_ranks)
     return {"seq": seq, "attn": attn, "pos": pos, "response": response, "mask": rmask_f, "start": start,
             "old_logprobs": old_logprobs, "old_values": old_values, "advantages": advantages, "returns": returns,
             "kl": kl.sum(-1), "answers": answers, "prompts": batch["prompts"],
@@ -168,17 +169,31 @@ def ppo_update(actor, critic, exp: dict, step_cfg, generator: torch.Generator, p
 
 
 def rollout_metrics(exp: dict, step_cfg) -> dict[str, float]:
-    out = {"reward/score_mean": exp["score"].mean().item(), "reward/score_std": exp["score"].std().item(),
-           "kl": exp["kl"].mean().item(), "answer_len": exp["mask"].sum(-1).mean().item()}
+    """Statistics of the global rollout batch (every rank's rows), identical on every rank: the KL
+    controller acts on them, so no rank may decide from its own share."""
+    rows = {"score": exp["score"].float(), "kl": exp["kl"].float().cpu(), "len": exp["mask"].sum(-1).float().cpu()}
     if "rm_score" in exp:
-        out["reward/rm_score"] = exp["rm_score"].mean().item()
+        rows["rm_score"] = exp["rm_score"].float()
     # Truth on the rollouts themselves, where the rule knows the prompts: the accuracy PPO
     # really reaches, and how well the reward model's scores separate right from wrong (AUC).
     if all(synthetic.parse_prompt(p) is not None for p in exp["prompts"]):
-        truth = torch.tensor([synthetic.rule_score(p, a) for p, a in zip(exp["prompts"], exp["answers"], strict=True)])
-        out["rollout/rule_accuracy"] = truth.mean().item()
-        if "rm_score" in exp:
-            out["rollout/rm_rule_auc"] = losses.auc(exp["rm_score"], truth)
+        rows["truth"] = torch.tensor([synthetic.rule_score(p, a) for p, a in zip(exp["prompts"], exp["answers"],
+                                                                                 strict=True)], dtype=torch.float32)
+    keys = list(rows)
+    # A rank whose prompts the rule does not know contributes no truth; decide together.
+    has_truth = sum_over_ranks(torch.tensor(["truth" in rows], dtype=torch.float32)).item()
+    if 0 < has_truth < world_size():
+        keys.remove("truth")
+    stacked = cat_over_ranks(torch.stack([rows[k] for k in keys], dim=1))
+    rows = {k: stacked[:, i] for i, k in enumerate(keys)}
+    out = {"reward/score_mean": rows["score"].mean().item(), "reward/score_std": rows["score"].std().item(),
+           "kl": rows["kl"].mean().item(), "answer_len": rows["len"].mean().item()}
+    if "rm_score" in rows:
+        out["reward/rm_score"] = rows["rm_score"].mean().item()
+    if "truth" in rows:
+        out["rollout/rule_accuracy"] = rows["truth"].mean().item()
+        if "rm_score" in rows:
+            out["rollout/rm_rule_auc"] = losses.auc(rows["rm_score"], rows["truth"])
     return out
 
 
@@ -189,11 +204,17 @@ def run(cfg: Config) -> dict:
     step_cfg = cfg.step
     actor_path = cfg.actor.path or models.resolve_path(cfg.model)
     reward_path = cfg.reward.path or cfg.critic.path
-    if step_cfg.reward_model_weight > 0 and not reward_path:
-        raise ConfigError("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
-                          "output), or use step.reward_fn=rule step.reward_model_weight=0")
+    if problems := ppo_role_problems(cfg):
+        raise ConfigError("; ".join(problems))
     critic_path = cfg.critic.path or reward_path or actor_path
     tokenizer = models.load_tokenizer(actor_path, cfg.model.trust_remote_code)
+    for role, path in (("critic", critic_path), ("reward", reward_path if step_cfg.reward_model_weight > 0 else "")):
+        if path and path != actor_path:
+            why = models.tokenizer_mismatch(tokenizer, models.load_tokenizer(path, cfg.model.trust_remote_code))
+            if why:
+                raise ConfigError(f"PPO's {role} model {path} uses another tokenizer than the actor {actor_path} "
+                                  f"({why}): it would score the actor's token ids as noise. Train the reward model "
+                                  "from a model of the actor's family")
     tokenizer.padding_side = "left"
     rule_fn = REWARD_FNS[step_cfg.reward_fn] if step_cfg.reward_fn else None
 
@@ -218,8 +239,7 @@ def run(cfg: Config) -> dict:
         ppo_steps = min(ppo_steps, step_cfg.max_steps)
     if ppo_steps == 0:
         raise ValueError(f"{len(train_prompts)} prompts make no PPO step of {prompts_per_step} prompts per device")
-    updates_per_step = step_cfg.ppo_epochs * step_cfg.rollout_batch_size_per_device // (
-        step_cfg.micro_batch_size_per_device * cfg.gradient_accumulation_steps)
+    updates_per_step = ppo_updates_per_step(cfg)
     ptx_iter = None
     if step_cfg.ptx_coef > 0:
         ptx_len = step_cfg.max_prompt_len + step_cfg.max_new_tokens
@@ -243,7 +263,7 @@ def run(cfg: Config) -> dict:
         critic_model = models.load_reward_model(critic_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
         reward_model = (models.load_reward_model(reward_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
                         if step_cfg.reward_model_weight > 0 else None)
-    total_updates = ppo_steps * updates_per_step // cfg.gradient_accumulation_steps
+    total_updates = ppo_steps * updates_per_step  # updates_per_step already counts optimizer steps
     actor, actor_ds = engine_factory.build_train_engine(actor_model, cfg, max(total_updates, 1))
     ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
     critic, critic_ds = engine_factory.build_train_engine(critic_model, cfg, max(total_updates, 1),
@@ -252,6 +272,7 @@ def run(cfg: Config) -> dict:
                          if reward_model is not None else (None, None))
     n_actor, n_critic = count_params(actor.module), count_params(critic.module)
     ema = _ema_init(actor, step_cfg.ema_decay, cfg.lora.rank)
+    gather_whole = memory.generation_gathers_whole_model(cfg)  # the pre-flight's choice, for ZeRO-3 generation
     kl_ctl = losses.AdaptiveKLController(step_cfg.kl_coef, step_cfg.kl_target, step_cfg.kl_horizon)
     moments = losses.RunningMoments()
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -272,7 +293,7 @@ def run(cfg: Config) -> dict:
     # -------------------------------------------------------------------------------- loop
     def full_eval(step: int) -> dict[str, float]:
         metrics = evaluate(actor, reward, eval_rule, eval_prompts, tokenizer, step_cfg.max_new_tokens,
-                           step_cfg.eval_micro_batch_size_per_device)
+                           step_cfg.eval_micro_batch_size_per_device, gather_whole)
         logger.log(metrics, step=step)
         if rank == 0 and metrics:
             print(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
@@ -312,7 +333,8 @@ def run(cfg: Config) -> dict:
             if index < skip:  # consumed before the checkpoint this run resumed from
                 continue
             t0 = time.perf_counter()
-            exp = make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments)
+            exp = make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
+                                  gather_whole)
             t1 = time.perf_counter()
             train = ppo_update(actor, critic, exp, step_cfg, generator, ptx_iter)
             t2 = time.perf_counter()
@@ -321,8 +343,7 @@ def run(cfg: Config) -> dict:
             metrics = {**rollout_metrics(exp, step_cfg), **train, "kl_coef": kl_ctl.value}
             kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
             total_loss = train["policy_loss"] + train["value_loss"]
-            if not math.isfinite(total_loss):
-                ckpt.stop_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
+            ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
             t3 = time.perf_counter()
             n_seq, seq_len = exp["seq"].shape
             gen_tokens = exp["mask"].sum().item()

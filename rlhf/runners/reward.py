@@ -14,7 +14,6 @@ how often the model agrees with the rule. Saves a folder that
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -30,12 +29,12 @@ from rlhf.data import synthetic
 from rlhf.data.blend import DataReport
 from rlhf.data.cache import cached_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
+from rlhf.distributed import mean_over_ranks
 from rlhf.runners.common import (
     Throughput,
     count_params,
     eval_loader,
     finish,
-    mean_over_ranks,
     open_logger,
     plan_steps,
     train_loader,
@@ -189,8 +188,7 @@ def run(cfg: Config) -> dict:
             if step_cfg.score_regularizer:
                 loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
             value = loss.item()
-            if not math.isfinite(value):
-                ckpt.stop_nonfinite(step + 1, state(epoch, index), "reward loss", value)
+            ckpt.stop_if_nonfinite(step + 1, state(epoch, index), "reward loss", value)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()

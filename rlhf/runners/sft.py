@@ -19,20 +19,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf import engine as engine_factory
-from rlhf import models, rollout
+from rlhf import memory, models, rollout
 from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport
 from rlhf.data.cache import cached_step_data
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
+from rlhf.distributed import mean_over_ranks
 from rlhf.logging import format_line
 from rlhf.runners.common import (
     Throughput,
     count_params,
     eval_loader,
     finish,
-    mean_over_ranks,
     open_logger,
     plan_steps,
     train_loader,
@@ -87,7 +87,8 @@ def run(cfg: Config) -> dict:
         metrics = perplexity(engine, evaluation)
         if accuracy_prompts:
             acc = rollout.evaluate(engine, None, synthetic.rule_score, accuracy_prompts, tokenizer,
-                                   step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device)
+                                   step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device,
+                                   memory.generation_gathers_whole_model(cfg))
             metrics.update(acc)
         return metrics
 
@@ -135,8 +136,7 @@ def run(cfg: Config) -> dict:
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             loss = engine(**batch).loss
             value = loss.item()
-            if not math.isfinite(value):
-                ckpt.stop_nonfinite(step + 1, state(epoch, index), "SFT loss", value)
+            ckpt.stop_if_nonfinite(step + 1, state(epoch, index), "SFT loss", value)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
