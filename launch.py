@@ -15,12 +15,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from rlhf.config import ConfigError, quote_numeric_groups, register_configs
+from rlhf.config import ConfigError, quote_numeric_groups
 
-register_configs()
 # The command as the user typed it, for the run directory, before numeric group names are quoted.
 COMMAND = [sys.executable, *sys.argv]
-sys.argv[1:] = quote_numeric_groups(sys.argv[1:])
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -63,4 +61,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # Hydra reads `zero=3` as the integer 3 and refuses it as a group choice; quote it as the
+    # compose path (rlhf.config.compose_config) does.
+    sys.argv[1:] = quote_numeric_groups(sys.argv[1:])
     main()

@@ -56,8 +56,8 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
     from rlhf import models
-    from rlhf.config import to_schema
-    from rlhf.launch import compose_config, run
+    from rlhf.config import compose_config, to_schema
+    from rlhf.launch import run
 
     total = args.steps + 2
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,15 +35,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from hydra import compose, initialize_config_dir
-
-    from rlhf.config import quote_numeric_groups, register_configs
+    from rlhf.config import compose_config
     from rlhf.launch import run
 
-    register_configs()
     with tempfile.TemporaryDirectory() as tmp:
-        with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-            cfg = compose("config", overrides=quote_numeric_groups([*DEFAULTS, *args.overrides, f"run_dir={tmp}"]))
+        cfg = compose_config([*DEFAULTS, *args.overrides, f"run_dir={tmp}"])
         start = time.perf_counter()
         final = run(cfg)
         wall = time.perf_counter() - start

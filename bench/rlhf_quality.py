@@ -9,7 +9,7 @@ time of each step. Target: PPO >= SFT + 20 points within 15 minutes of CPU for t
 
     python bench/rlhf_quality.py
     python bench/rlhf_quality.py --rule-reward
-    python bench/rlhf_quality.py seed=2 'pipeline.ppo=["step.epochs=6"]'
+    python bench/rlhf_quality.py seed=2 pipeline.ppo.step.epochs=6
 """
 
 from __future__ import annotations
@@ -36,19 +36,18 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from omegaconf import OmegaConf
 
-    from rlhf.launch import compose_config, run
+    from rlhf.config import compose_config
+    from rlhf.launch import run
 
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         overrides = ["pipeline=e2e", "logging.progress_bar=false", *args.overrides, f"run_dir={out}"]
-        cfg = compose_config(overrides)
         if args.rule_reward:
-            # The chain's own PPO overrides stay; the rule replaces the reward model after them.
-            ppo = [*OmegaConf.to_container(cfg.pipeline.ppo), "step.reward_fn=rule", "step.reward_model_weight=0"]
-            cfg.pipeline.ppo = ppo
-            cfg.pipeline.steps = ["sft", "ppo"]
+            # The chain's own PPO settings stay; the rule replaces the reward model on top of them.
+            overrides += ["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0",
+                          "pipeline.steps=[sft,ppo]"]
+        cfg = compose_config(overrides)
         start = time.perf_counter()
         run(cfg, overrides=overrides)
         wall = time.perf_counter() - start

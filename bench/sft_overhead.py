@@ -26,14 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from rlhf.config import compose_config
 
-    from rlhf.config import quote_numeric_groups, register_configs
-
-    register_configs()
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        return hydra_compose("config", overrides=quote_numeric_groups(overrides))
+    return compose_config(overrides)
 
 
 def bare_loop(cfg, steps: int, window: int) -> tuple[list[float], int]:

@@ -510,23 +510,6 @@ class RoleConfig:
                               f"{', '.join(options)}")
 
 
-@dataclass
-class PipelineConfig:
-    # Steps run in order, each step's output feeding the next; empty: run the one step in `step`.
-    steps: list[str] = field(default_factory=list)
-    # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
-    # (DeepSpeed-Chat's: a separate, smaller base model).
-    reward_from_sft: bool = False
-    # Extra overrides for each step of the chain (on top of the command line's).
-    sft: list[str] = field(default_factory=list)
-    reward: list[str] = field(default_factory=list)
-    ppo: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in self.steps:
-            _choice("pipeline.steps[]", name, tuple(STEP_SPLIT_INDEX))
-
-
 # --------------------------------------------------------------------------- launch & logging
 @dataclass
 class LaunchConfig:
@@ -571,6 +554,72 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
         _positive("checkpoint.keep_last", self.keep_last)
+
+
+# ------------------------------------------------------------------------------------ chains
+def _delta_of(cls: type, name: str) -> type:
+    """A dataclass shaped like ``cls`` whose every leaf is optional and None: a typed delta.
+
+    A chain's per-step deltas are of this type, so `pipeline.ppo.step.epochs=1` on the command line
+    is checked (an unknown key or a wrong type fails while composing) and needs no `+`, and an
+    unset key stays None and changes nothing."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    fields_ = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            sub = _delta_of(kind, f"{name}_{f.name}")
+            fields_.append((f.name, sub, field(default_factory=sub)))
+        else:
+            fields_.append((f.name, typing.Optional[kind], None))  # noqa: UP045 - a runtime type, not an annotation
+    return dataclasses.make_dataclass(name, fields_)
+
+
+def _step_delta(step_schema: type) -> type:
+    """Delta of everything a step of a chain may set differently from the others."""
+    import dataclasses
+
+    sections = {"model": ModelConfig, "zero": ZeroConfig, "step": step_schema, "data": DataConfig,
+                "optim": OptimConfig, "lora": LoraConfig, "actor": RoleConfig, "critic": RoleConfig,
+                "reward": RoleConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+    name = f"{step_schema.__name__}Delta"
+    deltas = {k: _delta_of(v, f"{name}_{k}") for k, v in sections.items()}
+    fields_ = [(k, d, field(default_factory=d)) for k, d in deltas.items()]
+    fields_.append(("seed", int | None, None))
+    return dataclasses.make_dataclass(name, fields_)
+
+
+SFTDelta = _step_delta(SFTStepConfig)
+RewardDelta = _step_delta(RewardStepConfig)
+PPODelta = _step_delta(PPOStepConfig)
+
+
+@dataclass
+class PipelineConfig:
+    # Steps run in order, each step's output feeding the next; empty: run the one step in `step`.
+    steps: list[str] = field(default_factory=list)
+    # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
+    # (DeepSpeed-Chat's: a separate, smaller base model).
+    reward_from_sft: bool = False
+    # Per step, the files of conf/stage/ composed over that step's config, in order (each a
+    # `# @package _global_` delta: shared constants first, then what depends on size and hardware).
+    stages: dict[str, list[str]] = field(default_factory=dict)
+    # Per-step deltas applied last, for one step only: `pipeline.ppo.step.epochs=1` on the command line.
+    sft: SFTDelta = field(default_factory=SFTDelta)
+    reward: RewardDelta = field(default_factory=RewardDelta)
+    ppo: PPODelta = field(default_factory=PPODelta)
+
+    def __post_init__(self) -> None:
+        for name in self.steps:
+            _choice("pipeline.steps[]", name, tuple(STEP_SCHEMAS))
+        for name, files in self.stages.items():
+            _choice("pipeline.stages key", name, tuple(STEP_SCHEMAS))
+            for f in files:
+                if not (PROJECT_ROOT / "conf" / "stage" / f"{f}.yaml").exists():
+                    raise ConfigError(f"pipeline.stages.{name}: conf/stage/{f}.yaml does not exist")
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -738,3 +787,20 @@ def load_run_config(path: str | Path) -> Config:
     base = OmegaConf.structured(Config)
     base.step = OmegaConf.structured(STEP_SCHEMAS[name])
     return to_schema(OmegaConf.merge(base, loaded))
+
+
+register_configs()  # importing the schemas makes them composable, by @hydra.main and compose alike
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config `python launch.py <overrides>` composes, inside a running Hydra app or outside.
+
+    The one place overrides are composed besides @hydra.main (launch.py quotes the same way)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = quote_numeric_groups(overrides)
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="config", overrides=overrides)
+    with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=overrides)

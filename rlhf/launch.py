@@ -1,224 +1,32 @@
-"""Validate the composed config, write the run directory, and run the step (in-process for one
-rank, through the DeepSpeed launcher for several). ``launch.py`` at the top level is the Hydra
-entry that calls ``run``; tests call ``run`` directly with a config from ``hydra.compose``.
+"""Where a composed config goes: one step (rlhf.launch_step) or a chain of steps (rlhf.pipeline).
+``launch.py`` at the top level is the Hydra entry that calls ``run``; tests call ``run`` directly
+with a config from ``rlhf.config.compose_config``.
 
-    python launch.py step=sft model=tiny-llama zero=3
+    python launch.py step=sft model=tiny-llama zero=3     # one step
+    python launch.py pipeline=e2e                         # the chain
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from rlhf.config import (
-    PROJECT_ROOT,
-    Config,
-    ConfigError,
-    load_model_file,
-    ppo_role_problems,
-    ppo_updates_per_step,
-    to_schema,
-)
-
-# Environment variables that could carry secrets are never written into the run directory.
-_SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
-
-
-def git_state() -> dict:
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                                  check=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    sha = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"sha": sha, "dirty": bool(status) if status is not None else None}
-
-
-def versions() -> dict:
-    import deepspeed
-    import torch
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__, "platform": platform.platform()}
-
-
-def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command: list[str]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
-    env = {k: v for k, v in os.environ.items()
-           if k.startswith(("RLHF_", "DS_", "OMP_", "CUDA_VISIBLE")) and not any(h in k for h in _SECRET_HINTS)}
-    (run_dir / "run.json").write_text(json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
-                                                  "env": env}, indent=2))
-
-
-def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
-    """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text;
-    whether the memory fits; and the problems that would make the real run refuse to start."""
-    from rlhf import memory
-    from rlhf.engine import ds_config
-
-    step = schema.step
-    lines = [f"== {step.name}: {schema.model.name} on {schema.hardware.name} "
-             f"({schema.hardware.nodes} node(s) x {schema.hardware.devices_per_node}), zero {schema.zero.stage}"
-             + (" + offload" if schema.zero.offload_optimizer.device != "none" else "")]
-    lines.append(f"batch: {step.micro_batch_size_per_device} micro x {schema.gradient_accumulation_steps} "
-                 f"accumulation x {schema.world_size} ranks = {schema.global_batch_size} "
-                 f"{ {'sft': 'sequences', 'reward': 'pairs', 'ppo': 'rollouts'}[step.name] } per optimizer step")
-    roles = {"sft": ["model"], "reward": ["reward"], "ppo": ["actor", "reference", "critic", "reward"]}[step.name]
-    if step.name == "ppo":
-        lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
-                     f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
-                     f"{ppo_updates_per_step(schema)} optimizer steps each ({step.ppo_epochs} PPO epoch(s) x "
-                     f"{step.rollout_batch_size_per_device} rollouts / {step.micro_batch_size_per_device} micro x "
-                     f"{schema.gradient_accumulation_steps} accumulation)")
-        if step.reward_model_weight == 0:
-            roles.remove("reward")
-    frozen = {"reference": step.offload_reference if step.name == "ppo" else False,
-              "reward": step.offload_reward if step.name == "ppo" else False}
-    for role in roles:
-        trainable = role not in ("reference",) and not (role == "reward" and step.name == "ppo")
-        ds = ds_config(schema, trainable=trainable, offload=frozen.get(role, False) and not trainable)
-        lines.append(f"deepspeed config [{role}]: {json.dumps(ds)}")
-    cmd = launch_command(schema, run_dir) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
-    lines.append("launch: " + shlex.join(cmd))
-    if schema.hardware.nodes > 1:
-        lines.append(f"hostfile: {schema.launch.hostfile} " if schema.launch.hostfile else
-                     f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
-                     f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
-                     "the allocation)")
-    problems = ppo_role_problems(schema)
-    lines += [f"refused: {p}" for p in problems]
-    critic = load_model_file(schema.critic.model) if schema.critic.model else None
-    estimate = memory.estimate(schema, critic)
-    fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
-    lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))
-    return fits, "\n".join(lines), problems
-
-
-def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:
-    """Inside a SLURM allocation, the DeepSpeed hostfile of its nodes (written into the run directory)."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
-    if not nodelist:
-        return None
-    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                           check=True).stdout.split()
-    path = run_dir / "hostfile"
-    path.write_text("".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
-    return str(path)
-
-
-def check_launchable(schema: Config) -> None:
-    """What only matters when ranks really start: hostfile for several nodes, enough devices."""
-    if schema.hardware.nodes > 1 and not schema.launch.hostfile and not os.environ.get("SLURM_JOB_NODELIST"):
-        raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
-    if schema.hardware.accelerator == "cuda":
-        import torch
-
-        have = torch.cuda.device_count()
-        if have < schema.hardware.devices_per_node:
-            raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} but this machine has "
-                              f"{have} CUDA device(s); pick a smaller hardware preset")
-    elif schema.hardware.devices_per_node > (os.cpu_count() or 1):
-        raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} CPU ranks but this machine "
-                          f"has {os.cpu_count()} cores")
+from rlhf import launch_step, pipeline
+from rlhf.config import Config, to_schema
 
 
 def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] | None = None) -> dict:
-    """Compose-time checks -> memory pre-flight -> run directory -> the step (or the chain).
-
-    Raises ConfigError for user errors, before anything is written or loaded.
-    """
-    schema: Config = to_schema(cfg)  # every __post_init__ check, before any model or data loads
+    """Validate (every schema check, before any model or data loads), fix the run directory, and
+    run the step or the chain. Raises ConfigError for user errors, before anything is written."""
+    schema: Config = to_schema(cfg)
     if not cfg.run_dir:
         from hydra.core.hydra_config import HydraConfig
 
         cfg.run_dir = HydraConfig.get().runtime.output_dir
-    run_dir = Path(cfg.run_dir).resolve()
-    cfg.run_dir = schema.run_dir = str(run_dir)
-    from rlhf.pipeline import is_chain, run_chain
-
-    if is_chain(cfg):
-        if not schema.launch.dry_run:
-            write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
-        return run_chain(schema, overrides or [])
-    fits, report, problems = preflight(schema, run_dir)
-    if schema.launch.dry_run:
-        print(report, flush=True)
-        return {"fits": fits and not problems}
-    if problems:
-        raise ConfigError("; ".join(problems))
-    if not fits and not schema.launch.force:
-        raise ConfigError(f"the run does not fit on {schema.hardware.name}:\n{report}\n"
-                          "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
-                          "launch.force=true to run anyway.")
-    check_launchable(schema)
-    done = run_dir / "final_metrics.json"
-    if schema.resume == "auto" and done.exists():
-        print(f"[{schema.step.name}] {run_dir} finished before ({done.name}); nothing to do "
-              "(resume=never starts it over)", flush=True)
-        return json.loads(done.read_text())
-    write_run_dir(cfg, run_dir, overrides or [], command or [sys.executable, *sys.argv])
-    if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
-        if schema.hardware.nodes > 1 and not schema.launch.hostfile:
-            schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""
-        if schema.model.random_init and not schema.model.path:
-            from rlhf.models import resolve_path
-
-            resolve_path(schema.model)  # once, here, before any rank starts and would race to build it
-        return launch_ranks(schema, run_dir)
-    from rlhf.worker import main
-
-    return main(schema)
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The config `python launch.py <overrides>` composes (inside a running Hydra app or outside)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from rlhf.config import quote_numeric_groups, register_configs
-
-    register_configs()
-    overrides = quote_numeric_groups(overrides)
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name="config", overrides=overrides)
-    with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
-def launch_command(cfg: Config, run_dir: Path) -> list[str]:
-    """The DeepSpeed launcher command that starts every rank on the resolved config."""
-    cmd = ["deepspeed", "--num_nodes", str(cfg.hardware.nodes), "--num_gpus", str(cfg.hardware.devices_per_node)]
-    if cfg.launch.hostfile:
-        cmd += ["--hostfile", cfg.launch.hostfile]
-    if cfg.launch.master_addr:
-        cmd += ["--master_addr", cfg.launch.master_addr]
-    cmd += ["--master_port", str(cfg.launch.master_port), "--no_local_rank", "--module", "rlhf.worker",
-            str(run_dir / "config.yaml")]
-    return cmd
-
-
-def launch_ranks(cfg: Config, run_dir: Path) -> dict:
-    cmd = launch_command(cfg, run_dir)
-    print("launching:", shlex.join(cmd), flush=True)
-    # Ranks must not inherit a single-process rendezvous (tests run steps in-process first).
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
-    runner = Path(sys.executable).parent / "deepspeed"
-    exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    subprocess.run([*exe, *cmd[1:]], check=True, cwd=PROJECT_ROOT, env=env)
-    final = run_dir / "final_metrics.json"
-    return json.loads(final.read_text()) if final.exists() else {}
+    cfg.run_dir = schema.run_dir = str(Path(cfg.run_dir).resolve())
+    overrides, command = overrides or [], command or [sys.executable, *sys.argv]
+    if pipeline.is_chain(cfg):
+        return pipeline.run_chain(cfg, schema, overrides, command)
+    return launch_step.run_step(cfg, schema, overrides, command)

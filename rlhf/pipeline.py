@@ -1,12 +1,16 @@
-"""The end-to-end chain: SFT -> reward model -> PPO, each step's output feeding the next.
+"""A chain of steps: SFT -> reward model -> PPO, each step's output feeding the next.
 
-Each step is composed by Hydra as if run alone (the command line's overrides, then the chain's
-per-step overrides from ``pipeline.<step>``), runs in its own folder under the chain's run
-directory, and is recorded in ``manifest.json``. A step whose finished output is already there is
-skipped, so a rerun of the same chain resumes at step level. At the end a table of time per step,
-like DeepSpeed-Chat's "Finished Step 1 in 0:12:21".
+Each step is composed by Hydra as if run alone: ``step=<name>``, the chain's stage files for it
+(``pipeline.stages.<name>``: YAML deltas under conf/stage/), the command line's overrides, and last
+the chain's typed per-step delta (``pipeline.<name>``, e.g. ``pipeline.ppo.step.epochs=1``). Every
+step is composed and checked before the first one trains, so a typo or a refusal in the PPO step
+stops the chain before SFT spends its time. Each step runs in its own folder under the chain's run
+directory and is recorded in ``manifest.json``; a step whose finished output is already there is
+skipped, so a rerun resumes at step level. At the end a table of time per step, like
+DeepSpeed-Chat's "Finished Step 1 in 0:12:21".
 
     python launch.py pipeline=e2e
+    python launch.py pipeline=e2e pipeline.ppo.step.epochs=1 seed=2
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import os
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import Config
+from rlhf import launch_step
+from rlhf.config import Config, compose_config, to_schema
 
 STEP_TITLES = {"sft": "Step 1 (SFT)", "reward": "Step 2 (reward model)", "ppo": "Step 3 (PPO)"}
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
@@ -28,82 +33,114 @@ STEP_TITLES = {"sft": "Step 1 (SFT)", "reward": "Step 2 (reward model)", "ppo": 
 _CHAIN_KEYS = ("pipeline", "step=", "run_dir=", "hydra.")
 
 
+def is_chain(cfg: DictConfig) -> bool:
+    return bool(cfg.get("pipeline") and cfg.pipeline.steps)
+
+
 def finished(step_dir: Path) -> bool:
     """A step is finished when its final metrics were written after its model was saved."""
     return (step_dir / "final_metrics.json").exists() and (step_dir / "model" / "config.json").exists()
 
 
-def _write_manifest(path: Path, manifest: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, path)  # a crash mid-write leaves the previous manifest readable
+def set_leaves(delta: DictConfig) -> dict:
+    """The keys a typed per-step delta really sets (its unset leaves are None)."""
+    def prune(node):
+        if isinstance(node, dict):
+            kept = {k: prune(v) for k, v in node.items()}
+            return {k: v for k, v in kept.items() if v is not None and v != {}}
+        return node
+
+    return prune(OmegaConf.to_container(delta, resolve=True))
 
 
-def run_chain(schema: Config, overrides: list[str]) -> dict:
-    from rlhf.launch import compose_config, run
+def step_overrides(cfg: DictConfig, name: str, overrides: list[str], outputs: dict[str, str],
+                   chain_dir: Path) -> list[str]:
+    """What `python launch.py ...` would take to run this step of the chain alone."""
+    extra = [f"step={name}"]
+    if stages := list(cfg.pipeline.stages.get(name, [])):
+        extra.append(f"+stage=[{','.join(stages)}]")
+    if name == "reward" and cfg.pipeline.reward_from_sft and "sft" in outputs:
+        extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
+    if name == "ppo":
+        extra += [f"actor.path={outputs['sft']}"] if "sft" in outputs else []
+        extra += [f"critic.path={outputs['reward']}"] if "reward" in outputs else []
+    base = [o for o in overrides if not o.lstrip("+~").startswith(_CHAIN_KEYS)]
+    # Stage files and outputs first, the command line after: what the user typed wins. The step's
+    # own config is never a chain, whatever an experiment file says.
+    return [*extra, *base, "pipeline.steps=[]", f"run_dir={chain_dir / name}"]
 
+
+def step_config(cfg: DictConfig, name: str, overrides: list[str], outputs: dict[str, str],
+                chain_dir: Path) -> tuple[DictConfig, list[str], dict]:
+    """The composed config of one step of the chain: its overrides composed, then its delta merged."""
+    args = step_overrides(cfg, name, overrides, outputs, chain_dir)
+    step_cfg = compose_config(args)
+    delta = set_leaves(cfg.pipeline[name])
+    if delta:
+        step_cfg = OmegaConf.merge(step_cfg, delta)
+    return step_cfg, args, delta
+
+
+def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict:
     chain_dir = Path(schema.run_dir)
-    chain_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = chain_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"steps": {}}
-    base = [o.lstrip("+") for o in overrides if not o.lstrip("+~").startswith(_CHAIN_KEYS)]
-    outputs: dict[str, str] = {}
-    results: dict[str, dict] = {}
     steps = list(schema.pipeline.steps)
     # `step=ppo` on the command line of a chain (an experiment file) runs that one step of it.
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("step=")]
     if chosen:
         steps = [s for s in steps if s in chosen]
-        for name in schema.pipeline.steps:
-            # A step not run now feeds the next from its earlier output in this chain's folder.
-            if name not in steps and (schema.launch.dry_run or finished(chain_dir / name)):
-                outputs[name] = str(chain_dir / name / "model")
+    # Every output where it will be: steps not run now feed the next from this chain's folder.
+    outputs = {name: str(chain_dir / name / "model") for name in schema.pipeline.steps}
+    outputs = {k: v for k, v in outputs.items() if k in steps or schema.launch.dry_run or finished(chain_dir / k)}
+
+    planned = {}
     for name in steps:
+        step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
+        step_schema = to_schema(step_cfg)
+        step_schema.run_dir = str(chain_dir / name)
+        if not schema.launch.dry_run and not finished(chain_dir / name):
+            launch_step.refuse_unrunnable(step_schema, *launch_step.preflight(step_schema, chain_dir / name))
+        planned[name] = (step_cfg, step_schema, args, delta)
+    if schema.launch.dry_run:
+        for step_cfg, step_schema, args, _ in planned.values():
+            launch_step.run_step(step_cfg, step_schema, args, command)
+        return {}
+
+    chain_dir.mkdir(parents=True, exist_ok=True)
+    launch_step.write_run_dir(cfg, chain_dir, overrides, command)
+    manifest_path = chain_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"steps": {}}
+    results: dict[str, dict] = {}
+    for name, (step_cfg, step_schema, args, delta) in planned.items():
         step_dir = chain_dir / name
-        extra = list(getattr(schema.pipeline, name))
-        if name == "reward" and schema.pipeline.reward_from_sft and "sft" in outputs:
-            extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
-        if name == "ppo":
-            if "sft" in outputs:
-                extra.append(f"actor.path={outputs['sft']}")
-            if "reward" in outputs:
-                extra.append(f"critic.path={outputs['reward']}")
-        # An experiment file may define the chain itself; each step's own config must not be a chain.
-        step_overrides = [f"step={name}", *extra, *base, "pipeline.steps=[]", f"run_dir={step_dir}"]
-        if schema.launch.dry_run:
-            run(compose_config(step_overrides))
-            outputs[name] = str(step_dir / "model")  # where it will be: the next step is judged as it will run
-            continue
         if finished(step_dir):
             print(f"[e2e] {STEP_TITLES[name]}: finished output at {step_dir / 'model'}; skipping", flush=True)
             entry = manifest["steps"].get(name, {})
             entry["skipped_on_rerun"] = True
             results[name] = json.loads((step_dir / "final_metrics.json").read_text())
         else:
-            # The chain's per-step settings first, the command line last: what the user typed wins.
-            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {' '.join(step_overrides)}", flush=True)
+            shown = " ".join(args) + (f"  + pipeline.{name}: {json.dumps(delta)}" if delta else "")
+            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {shown}", flush=True)
             start = time.perf_counter()
-            results[name] = run(compose_config(step_overrides), overrides=step_overrides)
-            entry = {"seconds": round(time.perf_counter() - start, 1), "overrides": step_overrides,
+            results[name] = launch_step.run_step(step_cfg, step_schema, args, command)
+            entry = {"seconds": round(time.perf_counter() - start, 1), "overrides": args, "delta": delta,
                      "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
             gc.collect()  # drop the finished step's engines before the next step builds its own
-        outputs[name] = str(step_dir / "model")
         entry.update(run_dir=str(step_dir), output=outputs[name], metrics=results[name])
         manifest["steps"][name] = entry
         _write_manifest(manifest_path, manifest)
 
-    if schema.launch.dry_run:
-        return {}
     print("[e2e] " + "-" * 60)
-    for name in steps:
+    for name in planned:
         entry = manifest["steps"][name]
         took = str(dt.timedelta(seconds=round(entry.get("seconds", 0))))
         print(f"[e2e] Finished {STEP_TITLES[name]} in {took}" + (" (earlier run)" if entry.get("skipped_on_rerun")
                                                                  else ""), flush=True)
-    print(f"[e2e] outputs: {json.dumps(outputs)}", flush=True)
-    return {"outputs": outputs, **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items()
-                                   if isinstance(v, int | float)}}
+    print(f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}", flush=True)
+    return {"outputs": {k: outputs[k] for k in planned},
+            **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
 
 
-def is_chain(cfg: DictConfig) -> bool:
-    return bool(cfg.get("pipeline") and cfg.pipeline.steps)
+def _write_manifest(path: Path, manifest: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, path)  # a crash mid-write leaves the previous manifest readable

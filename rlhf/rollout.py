@@ -89,8 +89,14 @@ def gathered_whole(engine):
     gather it again for the next token. The hooks are put back even when the body raises, or the
     next training step would run on released (empty) parameters.
     """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
     offload = _zero3_offload(engine)
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+    # Persistent parameters already resident stay out: the context's exit would free them, and the
+    # next forward would have to gather them again.
+    params = [p for p in engine.module.parameters()
+              if not (getattr(p, "ds_persist", False) and p.ds_status == ZeroParamStatus.AVAILABLE)]
+    with deepspeed.zero.GatheredParameters(params):
         for hook in offload.forward_hooks + offload.backward_hooks:
             hook.remove()
         offload.forward_hooks, offload.backward_hooks = [], []

@@ -44,9 +44,17 @@ def rlhf_cache():
 
 def compose(overrides: list[str] | None = None):
     """The composed DictConfig that `python launch.py <overrides>` would get."""
-    from rlhf.launch import compose_config
+    from rlhf.config import compose_config
 
     return compose_config(overrides or [])
+
+
+def compose_step(overrides: list[str], name: str, run_dir: Path = Path("/tmp/never-written")):
+    """The composed DictConfig of step ``name`` of the chain that ``overrides`` compose (an experiment
+    file or pipeline=...), exactly as the chain composes it."""
+    from rlhf.pipeline import step_config
+
+    return step_config(compose(overrides), name, overrides, {}, run_dir)[0]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from rlhf import memory
 from rlhf.config import ConfigError, load_model_file, to_schema
 from rlhf.engine import ds_config
 from rlhf.launch import run
-from tests.conftest import ROOT, compose, free_port, run_cli
+from tests.conftest import ROOT, compose, compose_step, free_port, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 _launch = run_cli
@@ -34,7 +34,7 @@ def test_every_experiment_dry_runs_with_consistent_batches_and_fits(name, tmp_pa
     assert not (tmp_path / "config.yaml").exists(), "a dry-run writes nothing"
     for step in cfg.pipeline.steps:
         assert f"== {step}:" in out
-        step_cfg = to_schema(compose([f"step={step}", *cfg.pipeline[step], f"experiment={name}", "pipeline.steps=[]"]))
+        step_cfg = to_schema(compose_step([f"experiment={name}"], step))
         ds = ds_config(step_cfg)
         assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
                                           * step_cfg.hardware.nodes * step_cfg.hardware.devices_per_node)

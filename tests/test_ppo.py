@@ -90,17 +90,21 @@ def test_ppo_config_errors_name_the_key():
 
 def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     overrides = ["pipeline=e2e", *QUIET, f"run_dir={tmp_path}",
-                 # Per-step overrides are lists of override strings; Hydra needs each one quoted.
-                 "pipeline.sft=['step.max_steps=10']",
-                 "pipeline.reward=['step.max_steps=10','step.rule_check_answers=0']",
-                 "pipeline.ppo=['step.max_steps=2','step.rollout_batch_size_per_device=16',"
-                 "'step.micro_batch_size_per_device=8','step.eval_prompts=16']"]
+                 # One key of one step, as README shows: no quoting, the step's other settings kept.
+                 "pipeline.sft.step.max_steps=10",
+                 "pipeline.reward.step.max_steps=10", "pipeline.reward.step.rule_check_answers=0",
+                 "pipeline.ppo.step.max_steps=2", "pipeline.ppo.step.rollout_batch_size_per_device=16",
+                 "pipeline.ppo.step.micro_batch_size_per_device=8", "pipeline.ppo.step.eval_prompts=16"]
     first = run(compose(overrides), overrides=overrides)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert list(manifest["steps"]) == ["sft", "reward", "ppo"]
     ppo_overrides = manifest["steps"]["ppo"]["overrides"]
     assert f"actor.path={tmp_path / 'sft' / 'model'}" in ppo_overrides
     assert f"critic.path={tmp_path / 'reward' / 'model'}" in ppo_overrides
+    assert "+stage=[e2e/ppo]" in ppo_overrides and manifest["steps"]["ppo"]["delta"]["step"]["max_steps"] == 2
+    # The stage file's keys stay where the delta does not touch them.
+    ppo_cfg = (tmp_path / "ppo" / "config.yaml").read_text()
+    assert "lr: 0.0003" in ppo_cfg and "epochs: 3" in ppo_cfg and "eval_prompts: 16" in ppo_cfg
     out = capsys.readouterr().out
     assert "Finished Step 1 (SFT) in" in out and "Finished Step 3 (PPO) in" in out
     assert (tmp_path / "ppo" / "model" / "config.json").exists()

@@ -1,0 +1,198 @@
+"""One step, as the user or the chain asks for it: memory pre-flight and checks, the run directory,
+then the runner in-process (one rank) or through the DeepSpeed launcher (several ranks or nodes).
+
+    python launch.py step=sft model=tiny-llama zero=3         # rlhf.launch.run -> run_step
+    python launch.py step=ppo launch.dry_run=true              # the pre-flight only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf.config import (
+    PROJECT_ROOT,
+    Config,
+    ConfigError,
+    load_model_file,
+    ppo_role_problems,
+    ppo_updates_per_step,
+)
+
+# Environment variables that could carry secrets are never written into the run directory.
+_SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def git_state() -> dict:
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                  check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": bool(status) if status is not None else None}
+
+
+def versions() -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform()}
+
+
+def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command: list[str]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(("RLHF_", "DS_", "OMP_", "CUDA_VISIBLE")) and not any(h in k for h in _SECRET_HINTS)}
+    (run_dir / "run.json").write_text(json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
+                                                  "env": env}, indent=2))
+
+
+def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
+    """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text;
+    whether the memory fits; and the problems that would make the real run refuse to start."""
+    from rlhf import memory
+    from rlhf.engine import ds_config
+
+    step = schema.step
+    lines = [f"== {step.name}: {schema.model.name} on {schema.hardware.name} "
+             f"({schema.hardware.nodes} node(s) x {schema.hardware.devices_per_node}), zero {schema.zero.stage}"
+             + (" + offload" if schema.zero.offload_optimizer.device != "none" else "")]
+    lines.append(f"batch: {step.micro_batch_size_per_device} micro x {schema.gradient_accumulation_steps} "
+                 f"accumulation x {schema.world_size} ranks = {schema.global_batch_size} "
+                 f"{ {'sft': 'sequences', 'reward': 'pairs', 'ppo': 'rollouts'}[step.name] } per optimizer step")
+    roles = {"sft": ["model"], "reward": ["reward"], "ppo": ["actor", "reference", "critic", "reward"]}[step.name]
+    if step.name == "ppo":
+        lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
+                     f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
+                     f"{ppo_updates_per_step(schema)} optimizer steps each ({step.ppo_epochs} PPO epoch(s) x "
+                     f"{step.rollout_batch_size_per_device} rollouts / {step.micro_batch_size_per_device} micro x "
+                     f"{schema.gradient_accumulation_steps} accumulation)")
+        if step.reward_model_weight == 0:
+            roles.remove("reward")
+    frozen = {"reference": step.offload_reference if step.name == "ppo" else False,
+              "reward": step.offload_reward if step.name == "ppo" else False}
+    for role in roles:
+        trainable = role not in ("reference",) and not (role == "reward" and step.name == "ppo")
+        ds = ds_config(schema, trainable=trainable, offload=frozen.get(role, False) and not trainable)
+        lines.append(f"deepspeed config [{role}]: {json.dumps(ds)}")
+    cmd = launch_command(schema, run_dir) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
+    lines.append("launch: " + shlex.join(cmd))
+    if schema.hardware.nodes > 1:
+        lines.append(f"hostfile: {schema.launch.hostfile} " if schema.launch.hostfile else
+                     f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
+                     f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
+                     "the allocation)")
+    problems = ppo_role_problems(schema)
+    lines += [f"refused: {p}" for p in problems]
+    critic = load_model_file(schema.critic.model) if schema.critic.model else None
+    estimate = memory.estimate(schema, critic)
+    fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
+    lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))
+    return fits, "\n".join(lines), problems
+
+
+def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:
+    """Inside a SLURM allocation, the DeepSpeed hostfile of its nodes (written into the run directory)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()
+    path = run_dir / "hostfile"
+    path.write_text("".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
+    return str(path)
+
+
+def check_launchable(schema: Config) -> None:
+    """What only matters when ranks really start: hostfile for several nodes, enough devices."""
+    if schema.hardware.nodes > 1 and not schema.launch.hostfile and not os.environ.get("SLURM_JOB_NODELIST"):
+        raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
+    if schema.hardware.accelerator == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < schema.hardware.devices_per_node:
+            raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} but this machine has "
+                              f"{have} CUDA device(s); pick a smaller hardware preset")
+    elif schema.hardware.devices_per_node > (os.cpu_count() or 1):
+        raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} CPU ranks but this machine "
+                          f"has {os.cpu_count()} cores")
+
+
+def refuse_unrunnable(schema: Config, fits: bool, report: str, problems: list[str]) -> None:
+    """Raise ConfigError when the pre-flight says the step cannot run (before anything is written)."""
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if not fits and not schema.launch.force:
+        raise ConfigError(f"the run does not fit on {schema.hardware.name}:\n{report}\n"
+                          "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
+                          "launch.force=true to run anyway.")
+
+
+def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict:
+    """Pre-flight -> run directory -> the step on every rank. ``cfg.run_dir`` is already resolved."""
+    run_dir = Path(schema.run_dir)
+    fits, report, problems = preflight(schema, run_dir)
+    if schema.launch.dry_run:
+        print(report, flush=True)
+        return {"fits": fits and not problems}
+    refuse_unrunnable(schema, fits, report, problems)
+    check_launchable(schema)
+    done = run_dir / "final_metrics.json"
+    if schema.resume == "auto" and done.exists():
+        print(f"[{schema.step.name}] {run_dir} finished before ({done.name}); nothing to do "
+              "(resume=never starts it over)", flush=True)
+        return json.loads(done.read_text())
+    write_run_dir(cfg, run_dir, overrides, command)
+    if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
+        if schema.hardware.nodes > 1 and not schema.launch.hostfile:
+            schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""
+        if schema.model.random_init and not schema.model.path:
+            from rlhf.models import resolve_path
+
+            resolve_path(schema.model)  # once, here, before any rank starts and would race to build it
+        return launch_ranks(schema, run_dir)
+    from rlhf.worker import main
+
+    return main(schema)
+
+
+def launch_command(cfg: Config, run_dir: Path) -> list[str]:
+    """The DeepSpeed launcher command that starts every rank on the resolved config."""
+    cmd = ["deepspeed", "--num_nodes", str(cfg.hardware.nodes), "--num_gpus", str(cfg.hardware.devices_per_node)]
+    if cfg.launch.hostfile:
+        cmd += ["--hostfile", cfg.launch.hostfile]
+    if cfg.launch.master_addr:
+        cmd += ["--master_addr", cfg.launch.master_addr]
+    cmd += ["--master_port", str(cfg.launch.master_port), "--no_local_rank", "--module", "rlhf.worker",
+            str(run_dir / "config.yaml")]
+    return cmd
+
+
+def launch_ranks(cfg: Config, run_dir: Path) -> dict:
+    cmd = launch_command(cfg, run_dir)
+    print("launching:", shlex.join(cmd), flush=True)
+    # Ranks must not inherit a single-process rendezvous (tests run steps in-process first).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
+    runner = Path(sys.executable).parent / "deepspeed"
+    exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    subprocess.run([*exe, *cmd[1:]], check=True, cwd=PROJECT_ROOT, env=env)
+    final = run_dir / "final_metrics.json"
+    return json.loads(final.read_text()) if final.exists() else {}
