@@ -28,7 +28,15 @@ def gather_state_dict(engine) -> dict[str, torch.Tensor] | None:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    for name, param in module.named_parameters():
+    seen: dict[int, str] = {}
+    # Every name of a tied parameter (OPT's lm_head is its input embedding), as state_dict() has
+    # them: a strict load of the state (LoRA merging) needs both.
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            if rank == 0:
+                out[name] = out[seen[id(param)]]
+            continue
+        seen[id(param)] = name
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             if rank == 0:
                 out[name] = param.detach().to("cpu", copy=True)

@@ -91,7 +91,7 @@ def two_rank_run(tmp_path_factory):
     out.mkdir()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
            "--master_port", str(free_port()), str(WORKER), *map(str, files), str(out)]
-    # DeepSpeed compiles its CPU shared-memory collective on init; keep the build out of ~/.cache.
+    # Anything DeepSpeed compiles goes to the test cache, not ~/.cache.
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(os.environ["RLHF_CACHE"]).parent / "torch_extensions")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=clean_env(TORCH_EXTENSIONS_DIR=extensions))

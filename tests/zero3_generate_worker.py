@@ -7,6 +7,7 @@ against the same model unpartitioned (ZeRO-0). Writes what it saw to OUT_DIR/ran
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections import Counter
@@ -48,6 +49,9 @@ def count_releases(module: torch.nn.Module, counts: Counter) -> None:
 
 
 def main(zero3_yaml: str, zero0_yaml: str, out_dir: str) -> None:
+    # DeepSpeed compiles a shared-memory all-reduce on CPU init (a minute on 2 cores); only its
+    # tensor-parallel inference path uses it, never ZeRO, so this check goes without it.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (deepspeed.comm.torch is torch)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.set_num_threads(1)
     rank = dist.get_rank()
