@@ -26,6 +26,10 @@ os.environ["HF_HOME"] = str(_CACHE / "hf")
 os.environ["HF_DATASETS_CACHE"] = str(_CACHE / "datasets")
 os.environ["WANDB_DIR"] = str(_CACHE / "wandb")
 os.environ["MPLCONFIGDIR"] = str(_CACHE / "matplotlib")
+# DeepSpeed compiles its CPU ops (CPU Adam, the shared-memory collective) on first use into
+# ~/.cache/torch_extensions; tests keep them in a folder of their own that outlives one session,
+# since a compile costs about a minute.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(tempfile.gettempdir()) / "rlhf-tests-torch-extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

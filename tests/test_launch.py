@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from omegaconf import OmegaConf
 
 from rlhf import memory
 from rlhf.config import ConfigError, load_model_file, to_schema
@@ -114,21 +113,39 @@ def test_two_cpu_ranks_sft_zero3_matches_one_rank_with_the_same_global_batch(tmp
     assert two == pytest.approx(one, rel=1e-4)
 
 
-def test_two_cpu_ranks_run_a_ppo_step(tmp_path):
+def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedule_whole(tmp_path):
+    """2 CPU ranks, ZeRO-3, accumulation 2, gradient checkpointing, an adaptive KL coefficient: both
+    ranks hold the same coefficient (it is updated from the KL of the global batch), and the linear
+    schedule spans all optimizer steps (3 PPO steps x 2 optimizer steps), not half of them."""
+    import torch
+
     quiet = ["logging.progress_bar=false", "data.max_eval_samples=32"]
     run(compose(["step=sft", "step.max_steps=10", *quiet, f"run_dir={tmp_path / 'sft'}"]))
-    run(compose(["step=reward", "step.max_steps=10", "step.rule_check_answers=0", *quiet,
-                 f"run_dir={tmp_path / 'rm'}"]))
-    proc = _launch("step=ppo", "hardware=cpu-2rank", "step.max_steps=1", "step.rollout_batch_size_per_device=8",
-                   "step.micro_batch_size_per_device=8", "step.eval_prompts=8", "step.eval_micro_batch_size_per_device=8",
-                   f"actor.path={tmp_path / 'sft' / 'model'}", f"critic.path={tmp_path / 'rm' / 'model'}", *quiet,
+    lr = 1e-3
+    proc = _launch("step=ppo", "hardware=cpu-2rank", "zero=3", "step.max_steps=3", "step.log_every_steps=1",
+                   "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=4",
+                   "step.gradient_accumulation_steps=2", "step.gradient_checkpointing=true",
+                   "step.reward_fn=rule", "step.reward_model_weight=0", "step.kl_target=0.001", "step.kl_horizon=64",
+                   "step.eval_prompts=8", "step.eval_micro_batch_size_per_device=8", f"optim.lr={lr}",
+                   "optim.scheduler=linear", "optim.warmup_steps=0", "checkpoint.every_steps=1",
+                   "checkpoint.keep_last=5", f"actor.path={tmp_path / 'sft' / 'model'}", *quiet,
                    f"launch.master_port={_free_port()}", f"run_dir={tmp_path / 'ppo'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     final = json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())
-    assert final["step"] == 1 and final["reference_weight_change"] == 0.0 and final["actor_weight_change"] > 0
-    row = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl") if "samples_per_s" in line][0]
-    assert OmegaConf.load(tmp_path / "ppo" / "config.yaml").hardware.devices_per_node == 2
-    assert row["samples_per_s"] > 0
+    assert final["step"] == 3 and final["reference_weight_change"] == 0.0 and final["actor_weight_change"] > 0
+    rows = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl") if "policy_loss" in line]
+    # 16 rollouts / (4 micro x 2 accumulation) = 2 optimizer steps per PPO step, 6 in all: linear decay
+    # to 0 over 6 steps (the bug decayed over 3, reaching 0 after the second PPO step).
+    assert [r["lr"] for r in rows] == pytest.approx([lr * (1 - 2 * s / 6) for s in (1, 2, 3)], rel=2e-3, abs=1e-9)
+    coefs = {}
+    for step in (1, 2):
+        folder = tmp_path / "ppo" / "checkpoints" / f"step_{step:08d}"
+        coefs[step] = [torch.load(folder / f"client_rank{r}.pt", weights_only=True)["state"]["kl_ctl"]["value"]
+                       for r in (0, 1)]
+        assert coefs[step][0] == coefs[step][1], f"ranks' KL coefficients differ after PPO step {step}"
+    assert coefs[2][0] != coefs[1][0], "the adaptive coefficient moved"
+    # The logged coefficient is the one each PPO step used: the value after the previous step's update.
+    assert [r["kl_coef"] for r in rows[1:]] == pytest.approx([coefs[1][0], coefs[2][0]], abs=1e-6)
 
 
 def test_slurm_launcher_is_sized_from_the_preset():

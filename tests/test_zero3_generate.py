@@ -7,10 +7,8 @@ pre-flight's choice between them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -91,10 +89,7 @@ def two_rank_run(tmp_path_factory):
     out.mkdir()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
            "--master_port", str(free_port()), str(WORKER), *map(str, files), str(out)]
-    # Anything DeepSpeed compiles goes to the test cache, not ~/.cache.
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(os.environ["RLHF_CACHE"]).parent / "torch_extensions")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=clean_env(TORCH_EXTENSIONS_DIR=extensions))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
