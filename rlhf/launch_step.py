@@ -90,7 +90,7 @@ def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
         trainable = role not in ("reference",) and not (role == "reward" and step.name == "ppo")
         ds = ds_config(schema, trainable=trainable, offload=frozen.get(role, False) and not trainable)
         lines.append(f"deepspeed config [{role}]: {json.dumps(ds)}")
-    cmd = launch_command(schema, run_dir) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
+    cmd = launch_command(schema, [run_dir]) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
     lines.append("launch: " + shlex.join(cmd))
     if schema.hardware.nodes > 1:
         lines.append(f"hostfile: {schema.launch.hostfile} " if schema.launch.hostfile else
@@ -144,14 +144,11 @@ def refuse_unrunnable(schema: Config, fits: bool, report: str, problems: list[st
                           "launch.force=true to run anyway.")
 
 
-def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict:
-    """Pre-flight -> run directory -> the step on every rank. ``cfg.run_dir`` is already resolved."""
+def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict | None:
+    """Everything before the ranks start: checks, the run directory, shared files. Returns the final
+    metrics of a step that finished before (resume=auto), else None."""
     run_dir = Path(schema.run_dir)
-    fits, report, problems = preflight(schema, run_dir)
-    if schema.launch.dry_run:
-        print(report, flush=True)
-        return {"fits": fits and not problems}
-    refuse_unrunnable(schema, fits, report, problems)
+    refuse_unrunnable(schema, *preflight(schema, run_dir))
     check_launchable(schema)
     done = run_dir / "final_metrics.json"
     if schema.resume == "auto" and done.exists():
@@ -166,26 +163,40 @@ def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: lis
             from rlhf.models import resolve_path
 
             resolve_path(schema.model)  # once, here, before any rank starts and would race to build it
-        return launch_ranks(schema, run_dir)
+    return None
+
+
+def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict:
+    """Pre-flight -> run directory -> the step on every rank. ``cfg.run_dir`` is already resolved."""
+    run_dir = Path(schema.run_dir)
+    if schema.launch.dry_run:
+        fits, report, problems = preflight(schema, run_dir)
+        print(report, flush=True)
+        return {"fits": fits and not problems}
+    if (done := prepare_step(cfg, schema, overrides, command)) is not None:
+        return done
+    if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
+        return launch_ranks(schema, [run_dir])[0]
     from rlhf.worker import main
 
     return main(schema)
 
 
-def launch_command(cfg: Config, run_dir: Path) -> list[str]:
-    """The DeepSpeed launcher command that starts every rank on the resolved config."""
+def launch_command(cfg: Config, run_dirs: list[Path]) -> list[str]:
+    """The DeepSpeed launcher command that starts every rank on the resolved config(s): the ranks of
+    a chain run its steps one after the other in one launch."""
     cmd = ["deepspeed", "--num_nodes", str(cfg.hardware.nodes), "--num_gpus", str(cfg.hardware.devices_per_node)]
     if cfg.launch.hostfile:
         cmd += ["--hostfile", cfg.launch.hostfile]
     if cfg.launch.master_addr:
         cmd += ["--master_addr", cfg.launch.master_addr]
     cmd += ["--master_port", str(cfg.launch.master_port), "--no_local_rank", "--module", "rlhf.worker",
-            str(run_dir / "config.yaml")]
+            *(str(d / "config.yaml") for d in run_dirs)]
     return cmd
 
 
-def launch_ranks(cfg: Config, run_dir: Path) -> dict:
-    cmd = launch_command(cfg, run_dir)
+def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
+    cmd = launch_command(cfg, run_dirs)
     print("launching:", shlex.join(cmd), flush=True)
     # Ranks must not inherit a single-process rendezvous (tests run steps in-process first).
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
@@ -194,5 +205,4 @@ def launch_ranks(cfg: Config, run_dir: Path) -> dict:
     runner = Path(sys.executable).parent / "deepspeed"
     exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
     subprocess.run([*exe, *cmd[1:]], check=True, cwd=PROJECT_ROOT, env=env)
-    final = run_dir / "final_metrics.json"
-    return json.loads(final.read_text()) if final.exists() else {}
+    return [json.loads(f.read_text()) if (f := d / "final_metrics.json").exists() else {} for d in run_dirs]

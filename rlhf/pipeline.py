@@ -110,21 +110,35 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     manifest_path = chain_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"steps": {}}
     results: dict[str, dict] = {}
+    todo = {name: plan for name, plan in planned.items() if not finished(chain_dir / name)}
+    if _one_launch(todo):
+        # Several ranks: every step's run directory first, then one launch whose ranks run the steps in
+        # turn -- one rendezvous and one library import for the chain instead of one per step.
+        for name, (step_cfg, step_schema, args, delta) in todo.items():
+            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {_shown(args, name, delta)}", flush=True)
+            launch_step.prepare_step(step_cfg, step_schema, args, command)
+        first = next(iter(todo.values()))[1]
+        launch_step.launch_ranks(first, [chain_dir / name for name in todo])
     for name, (step_cfg, step_schema, args, delta) in planned.items():
         step_dir = chain_dir / name
-        if finished(step_dir):
+        if name not in todo:
             print(f"[e2e] {STEP_TITLES[name]}: finished output at {step_dir / 'model'}; skipping", flush=True)
             entry = manifest["steps"].get(name, {})
             entry["skipped_on_rerun"] = True
-            results[name] = json.loads((step_dir / "final_metrics.json").read_text())
+        elif _one_launch(todo):
+            wall = step_dir / "wall_time.json"
+            entry = {"seconds": json.loads(wall.read_text())["seconds"] if wall.exists() else None,
+                     "overrides": args, "delta": delta, "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
         else:
-            shown = " ".join(args) + (f"  + pipeline.{name}: {json.dumps(delta)}" if delta else "")
-            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {shown}", flush=True)
+            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {_shown(args, name, delta)}", flush=True)
             start = time.perf_counter()
-            results[name] = launch_step.run_step(step_cfg, step_schema, args, command)
+            launch_step.run_step(step_cfg, step_schema, args, command)
             entry = {"seconds": round(time.perf_counter() - start, 1), "overrides": args, "delta": delta,
                      "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
             gc.collect()  # drop the finished step's engines before the next step builds its own
+        if not finished(step_dir):
+            raise RuntimeError(f"{STEP_TITLES[name]} ended without its final output in {step_dir}")
+        results[name] = json.loads((step_dir / "final_metrics.json").read_text())
         entry.update(run_dir=str(step_dir), output=outputs[name], metrics=results[name])
         manifest["steps"][name] = entry
         _write_manifest(manifest_path, manifest)
@@ -132,12 +146,24 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     print("[e2e] " + "-" * 60)
     for name in planned:
         entry = manifest["steps"][name]
-        took = str(dt.timedelta(seconds=round(entry.get("seconds", 0))))
+        took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
         print(f"[e2e] Finished {STEP_TITLES[name]} in {took}" + (" (earlier run)" if entry.get("skipped_on_rerun")
                                                                  else ""), flush=True)
     print(f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}", flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
+
+
+def _shown(args: list[str], name: str, delta: dict) -> str:
+    return " ".join(args) + (f"  + pipeline.{name}: {json.dumps(delta)}" if delta else "")
+
+
+def _one_launch(todo: dict) -> bool:
+    """Whether the steps left run in one launch of several ranks (they share the launch settings)."""
+    schemas = [plan[1] for plan in todo.values()]
+    if not schemas or schemas[0].world_size == 1 or "LOCAL_RANK" in os.environ:
+        return False
+    return all((s.hardware, s.launch) == (schemas[0].hardware, schemas[0].launch) for s in schemas)
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:

@@ -1,8 +1,10 @@
 """Per-rank entry: read the resolved config from the run directory, init distributed, run the step.
 
 launch.py calls ``main`` in-process for one rank; for several ranks or nodes it starts
-    deepspeed --no_local_rank ... -m rlhf.worker RUN_DIR/config.yaml
-so that Hydra composes once and every rank reads the same resolved file.
+    deepspeed --no_local_rank ... -m rlhf.worker RUN_DIR/config.yaml [RUN_DIR2/config.yaml ...]
+so that Hydra composes once and every rank reads the same resolved file. A chain passes every
+step's file: the ranks run the steps one after the other in one launch (one rendezvous, one
+import of the libraries), skipping a step that finished before.
 """
 
 from __future__ import annotations
@@ -87,7 +89,28 @@ def main(cfg: Config) -> dict:
     return RUNNERS[cfg.step.name](cfg)
 
 
-if __name__ == "__main__":
+def main_steps(paths: list[str]) -> None:
+    import gc
+    import json
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
     from rlhf.config import load_run_config
 
-    main(load_run_config(sys.argv[1]))
+    for path in paths:
+        cfg = load_run_config(path)
+        run_dir = Path(cfg.run_dir)
+        if cfg.resume == "auto" and (run_dir / "final_metrics.json").exists():
+            continue
+        start = time.perf_counter()
+        main(cfg)
+        if dist.get_rank() == 0:  # the chain's manifest reads the step's wall time from here
+            (run_dir / "wall_time.json").write_text(json.dumps({"seconds": round(time.perf_counter() - start, 1)}))
+        gc.collect()  # drop the finished step's engines before the next step builds its own
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main_steps(sys.argv[1:])

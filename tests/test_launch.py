@@ -161,3 +161,30 @@ def test_slurm_launcher_is_sized_from_the_preset():
     launcher = cfg.hydra.launcher
     assert launcher.nodes == 8 and launcher.gpus_per_node == 8 and launcher.tasks_per_node == 1
     assert "SlurmLauncher" in launcher._target_
+
+
+def test_dry_run_counts_updates_names_the_hostfile_and_refuses_what_the_real_run_would(tmp_path, capsys):
+    # 8 rollouts per device, 8 per micro batch, 8 ranks: 1 optimizer step per PPO step (it printed 0).
+    overrides = ["experiment=llama2-7b_8xa100-80g", "step=ppo", "launch.dry_run=true", f"run_dir={tmp_path}"]
+    run(compose(overrides), overrides=overrides)
+    out = capsys.readouterr().out
+    assert "64 per PPO step, 1 optimizer steps each" in out and "refused" not in out
+
+    overrides = ["experiment=opt-66b_64xa100-80g", "step=sft", "launch.dry_run=true", f"run_dir={tmp_path}"]
+    run(compose(overrides), overrides=overrides)
+    assert "hostfile: needed -- launch.hostfile=FILE with 8 lines 'HOST slots=8'" in capsys.readouterr().out
+
+    # A PPO step alone with no reward model: the real run refuses, so the dry-run must not say it fits.
+    alone = run(compose(["step=ppo", "launch.dry_run=true", f"run_dir={tmp_path}"]))
+    assert alone == {"fits": False}
+    assert "refused: PPO with step.reward_model_weight > 0 needs critic.path" in capsys.readouterr().out
+
+    # An OPT critic for a LLaMA actor would score LLaMA token ids: refused before anything loads.
+    overrides = ["experiment=llama2-7b_8xa100-80g", "step=ppo", "pipeline.ppo.critic.model=opt-350m",
+                 "launch.dry_run=true", f"run_dir={tmp_path}"]
+    run(compose(overrides), overrides=overrides)
+    out = capsys.readouterr().out
+    assert "refused: critic.model=opt-350m (opt, vocabulary 50272) does not share the actor's tokenizer" in out
+    with pytest.raises(ConfigError, match="does not share the actor's tokenizer"):
+        run(compose(overrides[:-2] + [f"run_dir={tmp_path}"]), overrides=overrides[:-2])
+    assert not (tmp_path / "sft" / "config.yaml").exists(), "refused before the first step started"

@@ -181,3 +181,34 @@ def test_running_moments_match_the_whole_sample():
     m.update(t([4.0, 5.0]))
     assert m.mean == pytest.approx(3.0) and m.var == pytest.approx(2.0)
     assert m.normalize(t([3.0])).item() == pytest.approx(0.0)
+
+
+def _two_ranks(other_half):
+    """A reduce that adds what the other rank would contribute: tests the global-statistics path
+    of whitening and reward moments without starting processes."""
+    def reduce(stats):
+        return stats + other_half(stats)
+    return reduce
+
+
+def test_whitening_over_ranks_equals_whitening_the_whole_batch():
+    x, mask = t([[1.0, 2.0, 0.0], [3.0, 5.0, 8.0]]), t([[1, 1, 0], [1, 1, 1]])
+    whole = losses.masked_whiten(x, mask)
+    top = lambda _: losses_stats(x[1:], mask[1:])  # noqa: E731 - rank 1's statistics, seen from rank 0
+    assert torch.allclose(losses.masked_whiten(x[:1], mask[:1], reduce=_two_ranks(top)), whole[:1], atol=1e-6)
+    # Rank-local whitening (the defect) differs: the same row comes out centred on its own mean.
+    assert not torch.allclose(losses.masked_whiten(x[:1], mask[:1]), whole[:1], atol=1e-3)
+
+
+def losses_stats(x, mask):
+    m = mask.double()
+    return torch.stack([(x.double() * m).sum(), (x.double() ** 2 * m).sum(), m.sum()])
+
+
+def test_running_moments_over_ranks_see_the_global_batch():
+    local, other = t([1.0, 2.0, 3.0]), t([10.0, 20.0])
+    m = losses.RunningMoments()
+    m.update(local, reduce=_two_ranks(lambda _: torch.stack([torch.tensor(2.0, dtype=torch.float64),
+                                                              other.double().sum(), (other.double() ** 2).sum()])))
+    both = torch.cat([local, other])
+    assert m.mean == pytest.approx(both.mean().item()) and m.var == pytest.approx(both.var(unbiased=False).item())

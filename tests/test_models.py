@@ -42,3 +42,30 @@ def test_tokenizer_conventions_and_generation():
         model = load_causal_lm(path, tok)
         out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
         assert out.shape == (1, len(ids) + 4)
+
+
+def test_an_incomplete_cache_entry_is_rebuilt_not_handed_back(tmp_path, monkeypatch):
+    """Seen on a fresh machine: two ranks built the entry at once and the folder that won held only
+    tokenizer files; every later run failed with "Unrecognized model". Such a folder is rebuilt."""
+    monkeypatch.setenv("RLHF_CACHE", str(tmp_path))
+    cfg = _tiny("opt")
+    good = build_random_model(cfg, tmp_path / "reference")
+    entry = random_model_dir(cfg)
+    entry.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (entry / name).write_bytes((good / name).read_bytes())
+    path = resolve_path(cfg)
+    assert path == str(entry)
+    tok = load_tokenizer(path)
+    model = load_causal_lm(path, tok)  # "Unrecognized model ... model_type" before the fix
+    assert model.config.model_type == "opt"
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")], "no temporary folder left behind"
+
+
+def test_tokenizer_mismatch_names_what_differs():
+    from rlhf.models import tokenizer_mismatch
+
+    a = load_tokenizer(resolve_path(_tiny("llama")))
+    assert tokenizer_mismatch(a, load_tokenizer(resolve_path(_tiny("opt")))) is None  # same corpus, same vocab
+    other = load_tokenizer(resolve_path(_tiny("opt", vocab_size=640)))
+    assert "tokens" in tokenizer_mismatch(a, other)

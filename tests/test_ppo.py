@@ -127,3 +127,12 @@ def test_chat_cli_answers_clears_and_quits(sft_and_reward):
 def test_chat_cli_refuses_a_folder_without_a_causal_lm(tmp_path):
     proc = run_cli("--path", str(tmp_path), module="rlhf.chat", input="quit\n", timeout=300)
     assert proc.returncode != 0 and "cannot load a causal LM" in proc.stderr
+
+
+def test_ppo_refuses_a_reward_model_with_another_tokenizer(tmp_path):
+    from rlhf.config import ModelConfig
+    from rlhf.models import resolve_path
+
+    other = resolve_path(ModelConfig(name="tiny-opt-640", family="opt", random_init=True, vocab_size=640))
+    with pytest.raises(ConfigError, match=r"critic model .* uses another tokenizer than the actor .*tokens"):
+        run(compose([*PPO_FAST, f"critic.path={other}", f"run_dir={tmp_path}"]))

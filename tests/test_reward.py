@@ -82,7 +82,8 @@ def test_scores_do_not_depend_on_padding_side():
 
 @pytest.mark.parametrize("variant", [
     pytest.param(["step.score_at=divergence", "zero=3"], id="divergence-zero3"),
-    pytest.param(["lora.rank=8", "lora.lr=1e-2", "zero=2"], id="lora-zero2"),
+    # Checkpointing through the scalar-head wrapper (it crashed the reward and PPO steps of every GPU preset).
+    pytest.param(["lora.rank=8", "lora.lr=1e-2", "zero=2", "step.gradient_checkpointing=true"], id="lora-zero2-ckpt"),
 ])
 def test_reward_variants_learn_and_save(tmp_path, variant):
     final = run(compose([*FAST, *variant, "step.max_steps=60", "step.eval_every_steps=0", f"run_dir={tmp_path}"]))
