@@ -41,8 +41,11 @@ def gather_state_dict(engine) -> dict[str, torch.Tensor] | None:
             if rank == 0:
                 out[name] = param.detach().to("cpu", copy=True)
     if rank == 0:
-        for name, buf in module.named_buffers():
-            out.setdefault(name, buf.detach().to("cpu", copy=True))
+        # Persistent buffers only, as state_dict() has them (not e.g. LLaMA's rotary inv_freq).
+        for prefix, sub in module.named_modules():
+            for name, buf in sub.named_buffers(recurse=False):
+                if buf is not None and name not in sub._non_persistent_buffers_set:
+                    out.setdefault(f"{prefix}.{name}" if prefix else name, buf.detach().to("cpu", copy=True))
     return out if rank == 0 else None
 
 

@@ -21,7 +21,7 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 TINY = {"opt": "tiny-opt", "llama": "tiny-llama"}
 # What the test changes besides models and hardware: length of the run and of its evaluations.
 SHORT = ["step.max_steps=2", "data.max_eval_samples=16", "logging.progress_bar=false",
-         "pipeline.ppo.step.eval_prompts=8"]
+         "pipeline.ppo.step.eval_prompts=2"]
 CHANGED = {"max_steps", "eval_prompts"}
 
 
