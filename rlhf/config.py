@@ -309,9 +309,10 @@ class StepConfig:
     max_steps: int = -1
     # Rows per forward pass on one device.
     micro_batch_size_per_device: int = 8
-    # Micro batches accumulated per optimizer step (ignored when global_batch_size is set).
+    # Micro batches accumulated per optimizer step (derived from global_batch_size when that is set).
     gradient_accumulation_steps: int = 1
-    # Rows per optimizer step over all ranks; when set, accumulation is derived from it.
+    # Rows per optimizer step over all ranks; when set, accumulation is derived from it. Either way the
+    # validated config holds both, consistent: micro x accumulation x world size = global batch.
     global_batch_size: int | None = None
     # Rows per forward pass on one device during evaluation.
     eval_micro_batch_size_per_device: int = 32
@@ -488,10 +489,42 @@ class PPOStepConfig(StepConfig):
             raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
 
 
-# The split part each step trains on (DeepSpeed-Chat's data_split index).
-STEP_SPLIT_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
-STEP_SCHEMAS: dict[str, type[StepConfig]] = {"sft": SFTStepConfig, "reward": RewardStepConfig,
-                                              "ppo": PPOStepConfig}
+@dataclass(frozen=True)
+class Role:
+    # A model the step builds: its name, whether it trains, whether it has a language-model head.
+    name: str
+    trainable: bool
+    lm_head: bool
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything keyed by step name, in one place: the schema, the title in chain logs, the part of
+    DeepSpeed-Chat's data split it trains on, what one row is, and the models it builds."""
+
+    schema: type[StepConfig]
+    title: str
+    split_index: int
+    rows: str
+    roles: tuple[Role, ...]
+
+
+STEPS: dict[str, StepSpec] = {
+    "sft": StepSpec(SFTStepConfig, "Step 1 (SFT)", 0, "sequences", (Role("model", True, True),)),
+    "reward": StepSpec(RewardStepConfig, "Step 2 (reward model)", 1, "pairs", (Role("reward", True, False),)),
+    "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
+                    (Role("actor", True, True), Role("reference", False, True), Role("critic", True, False),
+                     Role("reward", False, False))),
+}
+STEP_SCHEMAS: dict[str, type[StepConfig]] = {name: spec.schema for name, spec in STEPS.items()}
+
+
+def step_roles(cfg: Config) -> list[Role]:
+    """The models this run of the step really builds (PPO without a reward-model weight builds none)."""
+    roles = list(STEPS[cfg.step.name].roles)
+    if cfg.step.name == "ppo" and cfg.step.reward_model_weight == 0:
+        roles = [r for r in roles if r.name != "reward"]
+    return roles
 
 
 # ------------------------------------------------------------------------------------- roles
@@ -652,29 +685,21 @@ class Config:
     def world_size(self) -> int:
         return self.hardware.world_size
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        if self.step.global_batch_size is None:
-            return self.step.gradient_accumulation_steps
-        return self.step.global_batch_size // (self.step.micro_batch_size_per_device * self.world_size)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Rows per optimizer step over all ranks (sequences for SFT, pairs for reward, rollouts for PPO)."""
-        return self.step.micro_batch_size_per_device * self.gradient_accumulation_steps * self.world_size
-
     def __post_init__(self) -> None:
         _choice("resume", self.resume, ("auto", "never"))
         if self.step.name not in STEP_SCHEMAS:
             raise ConfigError(f"step.name={self.step.name!r} is not allowed; choose one of "
                               f"{', '.join(STEP_SCHEMAS)}")
+        # The batch arithmetic, derived once here: every later reader sees one consistent pair.
+        per_step = self.step.micro_batch_size_per_device * self.world_size
         if self.step.global_batch_size is not None:
-            per_step = self.step.micro_batch_size_per_device * self.world_size
             if self.step.global_batch_size % per_step:
                 raise ConfigError(
                     f"step.global_batch_size={self.step.global_batch_size} is not divisible by "
                     f"step.micro_batch_size_per_device ({self.step.micro_batch_size_per_device}) x world size "
                     f"({self.world_size} = hardware.nodes x hardware.devices_per_node)")
+            self.step.gradient_accumulation_steps = self.step.global_batch_size // per_step
+        self.step.global_batch_size = per_step * self.step.gradient_accumulation_steps
         if self.model.random_init and self.step.max_seq_len > self.model.max_positions:
             raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
                               f"{self.model.max_positions}")
@@ -690,7 +715,7 @@ def ppo_updates_per_step(cfg: Config) -> int:
     accumulation rollouts per optimizer step."""
     step = cfg.step
     return step.ppo_epochs * step.rollout_batch_size_per_device // (step.micro_batch_size_per_device *
-                                                                    cfg.gradient_accumulation_steps)
+                                                                    cfg.step.gradient_accumulation_steps)
 
 
 def ppo_role_problems(cfg: Config) -> list[str]:

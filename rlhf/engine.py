@@ -65,7 +65,7 @@ def zero_block(zero: ZeroConfig, trainable: bool = True, offload: bool = False) 
 def ds_config(cfg: Config, trainable: bool = True, offload: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON for one role of the run."""
     micro = cfg.step.micro_batch_size_per_device
-    accumulation = cfg.gradient_accumulation_steps
+    accumulation = cfg.step.gradient_accumulation_steps
     precision = cfg.hardware.precision
     out: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,

@@ -19,11 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import (
     PROJECT_ROOT,
+    STEPS,
     Config,
     ConfigError,
     load_model_file,
     ppo_role_problems,
     ppo_updates_per_step,
+    step_roles,
 )
 
 # Environment variables that could carry secrets are never written into the run directory.
@@ -72,24 +74,19 @@ def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
     lines = [f"== {step.name}: {schema.model.name} on {schema.hardware.name} "
              f"({schema.hardware.nodes} node(s) x {schema.hardware.devices_per_node}), zero {schema.zero.stage}"
              + (" + offload" if schema.zero.offload_optimizer.device != "none" else "")]
-    lines.append(f"batch: {step.micro_batch_size_per_device} micro x {schema.gradient_accumulation_steps} "
-                 f"accumulation x {schema.world_size} ranks = {schema.global_batch_size} "
-                 f"{ {'sft': 'sequences', 'reward': 'pairs', 'ppo': 'rollouts'}[step.name] } per optimizer step")
-    roles = {"sft": ["model"], "reward": ["reward"], "ppo": ["actor", "reference", "critic", "reward"]}[step.name]
+    lines.append(f"batch: {step.micro_batch_size_per_device} micro x {step.gradient_accumulation_steps} "
+                 f"accumulation x {schema.world_size} ranks = {step.global_batch_size} "
+                 f"{STEPS[step.name].rows} per optimizer step")
     if step.name == "ppo":
         lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
                      f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
                      f"{ppo_updates_per_step(schema)} optimizer steps each ({step.ppo_epochs} PPO epoch(s) x "
                      f"{step.rollout_batch_size_per_device} rollouts / {step.micro_batch_size_per_device} micro x "
-                     f"{schema.gradient_accumulation_steps} accumulation)")
-        if step.reward_model_weight == 0:
-            roles.remove("reward")
-    frozen = {"reference": step.offload_reference if step.name == "ppo" else False,
-              "reward": step.offload_reward if step.name == "ppo" else False}
-    for role in roles:
-        trainable = role not in ("reference",) and not (role == "reward" and step.name == "ppo")
-        ds = ds_config(schema, trainable=trainable, offload=frozen.get(role, False) and not trainable)
-        lines.append(f"deepspeed config [{role}]: {json.dumps(ds)}")
+                     f"{step.gradient_accumulation_steps} accumulation)")
+    offloaded = {"reference": getattr(step, "offload_reference", False), "reward": getattr(step, "offload_reward", False)}
+    for role in step_roles(schema):
+        ds = ds_config(schema, trainable=role.trainable, offload=not role.trainable and offloaded.get(role.name, False))
+        lines.append(f"deepspeed config [{role.name}]: {json.dumps(ds)}")
     cmd = launch_command(schema, [run_dir]) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
     lines.append("launch: " + shlex.join(cmd))
     if schema.hardware.nodes > 1:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.config import Config, ModelConfig, load_model_file
+from rlhf.config import Config, ModelConfig, load_model_file, step_roles
 
 GIB = 2**30
 # Headroom for the CUDA context, allocator fragmentation and communication buffers.
@@ -107,8 +107,13 @@ def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> f
     return 2 * m.num_layers * batch * length * m.hidden_size * (2 if precision in ("fp16", "bf16") else 4)
 
 
-# The role that generates in each step that does (PPO's rollouts, SFT's greedy accuracy eval).
-GENERATING_ROLE = {"ppo": "actor", "sft": "model"}
+def generating_role(cfg: Config) -> str | None:
+    """The role that generates, in a step that does: PPO's rollouts, SFT's greedy accuracy eval."""
+    if cfg.step.name == "ppo":
+        return "actor"
+    if cfg.step.name == "sft" and cfg.step.eval_accuracy_prompts > 0:
+        return "model"
+    return None
 
 
 def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
@@ -126,7 +131,7 @@ def generation_gathers_whole_model(cfg: Config, critic_model: ModelConfig | None
     ``step.zero3_generation`` gather / layerwise decide; auto gathers when this pre-flight says the
     full 16/32-bit model fits on one device beside everything else the step holds.
     """
-    if cfg.zero.stage != 3 or cfg.step.name not in GENERATING_ROLE:
+    if cfg.zero.stage != 3 or generating_role(cfg) is None:
         return False
     mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
     if mode != "auto":
@@ -154,7 +159,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
         r.activations = activation_bytes(m, batch, seq, step.gradient_checkpointing, precision, lm_head)
         if lora:
             r.notes.append(f"LoRA rank {lora}: {trainable / 1e6:.1f}M trainable")
-        if stage == 3 and GENERATING_ROLE.get(step.name) == name:
+        if stage == 3 and generating_role(cfg) == name:
             whole = generation_gathers_whole_model(cfg, critic_model) if gather_whole is None else gather_whole
             if whole:
                 # The gathered copy takes the place of the one-layer working set; the shard stays
@@ -177,18 +182,25 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
             r.weights = w_bytes * total
         return r
 
-    if step.name == "sft":
-        return [trainable_role("model", cfg.model, cfg.lora.rank, micro, step.max_seq_len, True)]
-    if step.name == "reward":
-        return [trainable_role("reward", cfg.model, cfg.lora.rank, 2 * micro, step.max_seq_len, False)]
+    if step.name != "ppo":  # one trainable model; a reward model's micro batch holds both answers of a pair
+        (role,) = step_roles(cfg)
+        batch = micro if role.lm_head else 2 * micro
+        return [trainable_role(role.name, cfg.model, cfg.lora.rank, batch, step.max_seq_len, role.lm_head)]
     critic = _critic(cfg, critic_model)
     seq = step.max_prompt_len + step.max_new_tokens
-    actor = trainable_role("actor", cfg.model, cfg.lora.rank, micro, seq, True)
-    generating = step.generation_batch_size_per_device or step.rollout_batch_size_per_device
-    actor.kv_cache = kv_cache_bytes(cfg.model, generating, seq, precision)
-    return [actor, frozen_role("reference", cfg.model, step.offload_reference),
-            trainable_role("critic", critic, 0, micro, seq, False),
-            frozen_role("reward", critic, step.offload_reward) if step.reward_model_weight > 0 else None]
+    out = []
+    for role in step_roles(cfg):
+        # The actor and its reference are the model group; the critic and reward model the critic's.
+        m = cfg.model if role.lm_head else critic
+        if not role.trainable:
+            out.append(frozen_role(role.name, m, getattr(step, f"offload_{role.name}")))
+            continue
+        r = trainable_role(role.name, m, cfg.lora.rank if role.lm_head else 0, micro, seq, role.lm_head)
+        if role.name == generating_role(cfg):
+            generating = step.generation_batch_size_per_device or step.rollout_batch_size_per_device
+            r.kv_cache = kv_cache_bytes(cfg.model, generating, seq, precision)
+        out.append(r)
+    return out
 
 
 def verdict(roles: list[RoleMemory | None], memory_gb: float) -> tuple[bool, str]:

@@ -25,9 +25,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import launch_step
-from rlhf.config import Config, compose_config, to_schema
+from rlhf.config import STEPS, Config, compose_config, to_schema
 
-STEP_TITLES = {"sft": "Step 1 (SFT)", "reward": "Step 2 (reward model)", "ppo": "Step 3 (PPO)"}
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
 # Role paths typed on the command line are passed on and win over the chain's own outputs.
 _CHAIN_KEYS = ("pipeline", "step=", "run_dir=", "hydra.")
@@ -115,14 +114,14 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         # Several ranks: every step's run directory first, then one launch whose ranks run the steps in
         # turn -- one rendezvous and one library import for the chain instead of one per step.
         for name, (step_cfg, step_schema, args, delta) in todo.items():
-            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {_shown(args, name, delta)}", flush=True)
+            print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
             launch_step.prepare_step(step_cfg, step_schema, args, command)
         first = next(iter(todo.values()))[1]
         launch_step.launch_ranks(first, [chain_dir / name for name in todo])
     for name, (step_cfg, step_schema, args, delta) in planned.items():
         step_dir = chain_dir / name
         if name not in todo:
-            print(f"[e2e] {STEP_TITLES[name]}: finished output at {step_dir / 'model'}; skipping", flush=True)
+            print(f"[e2e] {STEPS[name].title}: finished output at {step_dir / 'model'}; skipping", flush=True)
             entry = manifest["steps"].get(name, {})
             entry["skipped_on_rerun"] = True
         elif _one_launch(todo):
@@ -130,14 +129,14 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             entry = {"seconds": json.loads(wall.read_text())["seconds"] if wall.exists() else None,
                      "overrides": args, "delta": delta, "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
         else:
-            print(f"[e2e] {STEP_TITLES[name]}: python launch.py {_shown(args, name, delta)}", flush=True)
+            print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
             start = time.perf_counter()
             launch_step.run_step(step_cfg, step_schema, args, command)
             entry = {"seconds": round(time.perf_counter() - start, 1), "overrides": args, "delta": delta,
                      "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
             gc.collect()  # drop the finished step's engines before the next step builds its own
         if not finished(step_dir):
-            raise RuntimeError(f"{STEP_TITLES[name]} ended without its final output in {step_dir}")
+            raise RuntimeError(f"{STEPS[name].title} ended without its final output in {step_dir}")
         results[name] = json.loads((step_dir / "final_metrics.json").read_text())
         entry.update(run_dir=str(step_dir), output=outputs[name], metrics=results[name])
         manifest["steps"][name] = entry
@@ -147,7 +146,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     for name in planned:
         entry = manifest["steps"][name]
         took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
-        print(f"[e2e] Finished {STEP_TITLES[name]} in {took}" + (" (earlier run)" if entry.get("skipped_on_rerun")
+        print(f"[e2e] Finished {STEPS[name].title} in {took}" + (" (earlier run)" if entry.get("skipped_on_rerun")
                                                                  else ""), flush=True)
     print(f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}", flush=True)
     return {"outputs": {k: outputs[k] for k in planned},

@@ -53,7 +53,7 @@ def test_default_config_is_typed():
     cfg = to_schema(compose())
     assert isinstance(cfg.step, SFTStepConfig)
     assert cfg.model.name == "tiny-llama" and cfg.zero.stage == 0 and cfg.hardware.precision == "fp32"
-    assert cfg.global_batch_size == cfg.step.micro_batch_size_per_device * cfg.step.gradient_accumulation_steps
+    assert cfg.step.global_batch_size == cfg.step.micro_batch_size_per_device * cfg.step.gradient_accumulation_steps
 
 
 LEAF = re.compile(r"^\s*(- )?[\w.]+:\s*[^\s#]")
@@ -159,3 +159,16 @@ def test_every_sweep_composes_and_sweeps_real_keys(path):
         for part in key.split("."):
             assert part in node, f"{path.name} sweeps {key!r}, which the config does not have"
             node = node[part]
+
+
+def test_every_step_has_a_runner_and_one_table_entry():
+    """Adding a step is one entry in rlhf.config.STEPS (schema, title, split part, roles) and one runner."""
+    from rlhf.config import STEPS
+    from rlhf.runners import RUNNERS
+
+    assert set(RUNNERS) == set(STEPS)
+    assert sorted(spec.split_index for spec in STEPS.values()) == [0, 1, 2]
+    ppo = to_schema(compose(["step=ppo", "step.reward_fn=rule", "step.reward_model_weight=0"]))
+    from rlhf.config import step_roles
+
+    assert [r.name for r in step_roles(ppo)] == ["actor", "reference", "critic"]

@@ -46,7 +46,7 @@ def test_batch_arithmetic(micro, accum, world_nodes, world_devices):
     world = world_nodes * world_devices
     assert ds["train_micro_batch_size_per_gpu"] == micro
     assert ds["gradient_accumulation_steps"] == accum
-    assert ds["train_batch_size"] == micro * accum * world == cfg.global_batch_size
+    assert ds["train_batch_size"] == micro * accum * world == cfg.step.global_batch_size
 
 
 def test_global_batch_derives_accumulation():

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
-from rlhf.config import STEP_SPLIT_INDEX, ConfigError, DataConfig, SourceConfig, looks_local
+from rlhf.config import STEPS, ConfigError, DataConfig, SourceConfig, looks_local
 from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_IDS, map_columns, render_conversation
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -167,7 +167,7 @@ def blend(parts: list[Dataset], weights: list[float], seed: int, total: int | No
 def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=None) -> tuple[Dataset, Dataset]:
     """Train rows of ``step``'s part of the blend, and the blend's eval rows (conversations rendered
     with ``tokenizer``'s chat template when it has one)."""
-    part = STEP_SPLIT_INDEX[step]
+    part = STEPS[step].split_index
     trains, evals = [], []
     for i, src in enumerate(cfg.sources):
         full = load_source(src, src.train_split, i, tokenizer)

@@ -32,9 +32,9 @@ def eval_loader(ds, cfg: Config, rank: int, world: int, collate) -> DataLoader:
 
 def plan_steps(cfg: Config, micro_batches_per_epoch: int, rows: int) -> int:
     """Optimizer steps of the run: all epochs, capped by step.max_steps."""
-    steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
+    steps_per_epoch = micro_batches_per_epoch // cfg.step.gradient_accumulation_steps
     if steps_per_epoch == 0:
-        raise ValueError(f"{rows} rows make no full optimizer step of {cfg.global_batch_size} rows "
+        raise ValueError(f"{rows} rows make no full optimizer step of {cfg.step.global_batch_size} rows "
                          "(lower step.micro_batch_size_per_device or the accumulation)")
     total = steps_per_epoch * cfg.step.epochs
     return min(total, cfg.step.max_steps) if cfg.step.max_steps > 0 else total
@@ -68,7 +68,7 @@ class Throughput:
 
     def summary(self, rows_per_step: int) -> dict[str, float]:
         elapsed = time.perf_counter() - self.start
-        steps = self.micro / self.cfg.gradient_accumulation_steps
+        steps = self.micro / self.cfg.step.gradient_accumulation_steps
         flops = train_flops(self.n_params, self.cfg.model.num_layers, self.cfg.model.hidden_size,
                             self.padded * self.world, self.seq_len, self.cfg.step.gradient_checkpointing)
         out = {"samples_per_s": rows_per_step * steps / elapsed, "tokens_per_s": self.tokens * self.world / elapsed,

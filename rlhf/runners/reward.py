@@ -143,7 +143,7 @@ def run(cfg: Config) -> dict:
     if rank == 0:
         (run_dir / "ds_config.json").write_text(json.dumps({"reward": ds_cfg}, indent=2))
         print(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
-              f"{cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
+              f"{cfg.step.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
     ckpt = Checkpointer(run_dir, {"reward": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
     resumed = ckpt.load() if cfg.resume == "auto" else None
     logger = open_logger(cfg, rank, fresh=resumed is None)
@@ -204,7 +204,7 @@ def run(cfg: Config) -> dict:
             if step % step_cfg.log_every_steps == 0 or step == total_steps:
                 n = meter.micro
                 metrics = mean_over_ranks({k: v / n for k, v in window.items()})
-                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(cfg.global_batch_size))
+                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(cfg.step.global_batch_size))
                 logger.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
                 window = dict.fromkeys(window, 0.0)

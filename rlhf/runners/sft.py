@@ -100,7 +100,7 @@ def run(cfg: Config) -> dict:
     if rank == 0:
         (run_dir / "ds_config.json").write_text(json.dumps({"model": ds_cfg}, indent=2))
         print(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
-              f"{cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
+              f"{cfg.step.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
     ckpt = Checkpointer(run_dir, {"model": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
     resumed = ckpt.load() if cfg.resume == "auto" else None
     logger = open_logger(cfg, rank, fresh=resumed is None)
@@ -148,7 +148,7 @@ def run(cfg: Config) -> dict:
             bar.update(1)
             if step % step_cfg.log_every_steps == 0 or step == total_steps:
                 metrics = {**mean_over_ranks({"loss": window_loss / meter.micro}), "lr": engine.get_lr()[0],
-                           "epoch": epoch, **meter.summary(cfg.global_batch_size)}
+                           "epoch": epoch, **meter.summary(cfg.step.global_batch_size)}
                 logger.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 if rank == 0 and not cfg.logging.progress_bar:
