@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -98,3 +98,46 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
     logger.close()
     return final
+
+
+@dataclass
+class LoopState:
+    """Where a supervised loop (SFT, reward) stands: what a checkpoint saves and a resume restores.
+
+    One shape for both runners, so their checkpoints cannot drift apart key by key."""
+
+    total_steps: int
+    step: int = 0
+    # Position of the next micro batch: the epoch and its index in that epoch's loader.
+    epoch: int = 0
+    batch_index: int = 0
+    # Evaluation before training, the latest one, and the step it was taken at.
+    first: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)
+    last_eval_step: int = 0
+    # Sums since the last log line, and how many micro batches they cover.
+    window: dict = field(default_factory=dict)
+    window_micro: int = 0
+
+    def at(self, epoch: int, batch_index: int, window_micro: int) -> dict:
+        """Client state for a checkpoint taken before micro batch ``batch_index`` of ``epoch``."""
+        return {**asdict(self), "epoch": epoch, "batch_index": batch_index, "window_micro": window_micro}
+
+
+def start_loop(ckpt, cfg: Config, rank: int, total_steps: int, window_keys: tuple[str, ...],
+               what: str) -> tuple[LoopState, bool, MetricsLogger]:
+    """Resume from the run directory's latest checkpoint (resume=auto), or start at step 0.
+    Returns the state, whether it was resumed, and the metrics logger (appending on resume)."""
+    from rlhf.checkpoint import set_rng_state
+
+    resumed = ckpt.load() if cfg.resume == "auto" else None
+    logger = open_logger(cfg, rank, fresh=resumed is None)
+    if resumed is None:
+        return LoopState(total_steps, window=dict.fromkeys(window_keys, 0.0)), False, logger
+    state = LoopState(**{f.name: resumed[f.name] for f in fields(LoopState)})
+    logger.truncate_after(state.step)
+    set_rng_state(resumed["rng"])
+    if rank == 0:
+        print(f"[{what}] resumed at step {state.step} (epoch {state.epoch}, micro batch {state.batch_index})",
+              flush=True)
+    return state, True, logger

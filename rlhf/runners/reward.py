@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import losses, models
-from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
+from rlhf.checkpoint import Checkpointer, StopRequest
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport
@@ -35,8 +35,8 @@ from rlhf.runners.common import (
     count_params,
     eval_loader,
     finish,
-    open_logger,
     plan_steps,
+    start_loop,
     train_loader,
 )
 
@@ -145,8 +145,7 @@ def run(cfg: Config) -> dict:
         print(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
               f"{cfg.step.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
     ckpt = Checkpointer(run_dir, {"reward": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
-    resumed = ckpt.load() if cfg.resume == "auto" else None
-    logger = open_logger(cfg, rank, fresh=resumed is None)
+    state, resumed, logger = start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), "reward")
     stop = StopRequest()
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
@@ -159,26 +158,15 @@ def run(cfg: Config) -> dict:
         return metrics
 
     # -------------------------------------------------------------------------------- loop
-    if resumed:
-        step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
-        first, last, last_eval_step, window = resumed["first"], resumed["last"], resumed["last_eval_step"], resumed["window"]
-        logger.truncate_after(step)
-        set_rng_state(resumed["rng"])
-        if rank == 0:
-            print(f"[reward] resumed at step {step} (epoch {start_epoch}, micro batch {skip})", flush=True)
-    else:
-        first = last = full_eval(0, 0)
-        step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
-        window = {"loss": 0.0, "acc": 0.0, "chosen": 0.0, "rejected": 0.0}
+    if not resumed:
+        state.first = state.last = full_eval(0, 0)
     meter = Throughput(cfg, n_params, world)
-    meter.micro = resumed["window_micro"] if resumed else 0
+    meter.micro = state.window_micro
+    skip = state.batch_index
 
-    def state(epoch: int, batch_index: int) -> dict:
-        return {"step": step, "epoch": epoch, "batch_index": batch_index, "first": first, "last": last,
-                "last_eval_step": last_eval_step, "window": window, "window_micro": meter.micro}
-
-    bar = tqdm(total=total_steps, initial=step, desc="reward", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(start_epoch, step_cfg.epochs):
+    bar = tqdm(total=state.total_steps, initial=state.step, desc="reward",
+               disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(state.epoch, step_cfg.epochs):
         sampler.set_epoch(epoch)
         for index, batch in enumerate(loader):
             if index < skip:  # consumed before the checkpoint this run resumed from
@@ -188,38 +176,39 @@ def run(cfg: Config) -> dict:
             if step_cfg.score_regularizer:
                 loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
             value = loss.item()
-            ckpt.stop_if_nonfinite(step + 1, state(epoch, index), "reward loss", value)
+            ckpt.stop_if_nonfinite(state.step + 1, state.at(epoch, index, meter.micro), "reward loss", value)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             meter.add(batch["attention_mask"])
+            window = state.window
             window["loss"] += value
             window["acc"] += losses.pairwise_accuracy(chosen, rejected).item()
             window["chosen"] += chosen.mean().item()
             window["rejected"] += rejected.mean().item()
             if not boundary:
                 continue
-            step += 1
+            state.step += 1
             bar.update(1)
-            if step % step_cfg.log_every_steps == 0 or step == total_steps:
-                n = meter.micro
-                metrics = mean_over_ranks({k: v / n for k, v in window.items()})
-                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(cfg.step.global_batch_size))
-                logger.log(metrics, step=step)
+            if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
+                metrics = mean_over_ranks({k: v / meter.micro for k, v in window.items()})
+                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(step_cfg.global_batch_size))
+                logger.log(metrics, step=state.step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
-                window = dict.fromkeys(window, 0.0)
-            if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
-                last, last_eval_step = full_eval(step, epoch), step
-            if step >= total_steps:
+                state.window = dict.fromkeys(window, 0.0)
+            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
+                state.last, state.last_eval_step = full_eval(state.step, epoch), state.step
+            if state.step >= state.total_steps:
                 break
-            ckpt.after_step(step, state(epoch, index + 1), stop, logger, "reward")
+            ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "reward")
         skip = 0
-        if last_eval_step != step:
-            last, last_eval_step = full_eval(step, epoch + 1), step
-        if step >= total_steps:
+        if state.last_eval_step != state.step:
+            state.last, state.last_eval_step = full_eval(state.step, epoch + 1), state.step
+        if state.step >= state.total_steps:
             break
-        ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
+        # The epoch boundary: a resume trains the remaining epochs.
+        ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    return finish(cfg, engine, tokenizer, rank, step, first, last, logger)
+    return finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)

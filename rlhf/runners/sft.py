@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import memory, models, rollout
-from rlhf.checkpoint import Checkpointer, StopRequest, set_rng_state
+from rlhf.checkpoint import Checkpointer, StopRequest
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport
@@ -33,8 +33,8 @@ from rlhf.runners.common import (
     count_params,
     eval_loader,
     finish,
-    open_logger,
     plan_steps,
+    start_loop,
     train_loader,
 )
 
@@ -102,33 +102,19 @@ def run(cfg: Config) -> dict:
         print(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
               f"{cfg.step.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
     ckpt = Checkpointer(run_dir, {"model": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
-    resumed = ckpt.load() if cfg.resume == "auto" else None
-    logger = open_logger(cfg, rank, fresh=resumed is None)
+    state, resumed, logger = start_loop(ckpt, cfg, rank, total_steps, ("loss",), "sft")
     stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
-    if resumed:
-        step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
-        first_eval, last_eval, last_eval_step = resumed["first_eval"], resumed["last_eval"], resumed["last_eval_step"]
-        window_loss, total_steps = resumed["window_loss"], resumed["total_steps"]
-        logger.truncate_after(step)
-        set_rng_state(resumed["rng"])
-        if rank == 0:
-            print(f"[sft] resumed at step {step} (epoch {start_epoch}, micro batch {skip})", flush=True)
-    else:
-        first_eval = evaluate()
-        logger.log({**first_eval, "epoch": 0}, step=0)
-        last_eval, step, start_epoch, skip, last_eval_step, window_loss = first_eval, 0, 0, 0, 0, 0.0
+    if not resumed:
+        state.first = state.last = evaluate()
+        logger.log({**state.first, "epoch": 0}, step=0)
     meter = Throughput(cfg, n_params, world)
-    meter.micro = resumed["window_micro"] if resumed else 0
+    meter.micro = state.window_micro
+    skip = state.batch_index
 
-    def state(epoch: int, batch_index: int) -> dict:
-        return {"step": step, "epoch": epoch, "batch_index": batch_index, "first_eval": first_eval,
-                "last_eval": last_eval, "last_eval_step": last_eval_step, "window_loss": window_loss,
-                "window_micro": meter.micro, "total_steps": total_steps}
-
-    bar = tqdm(total=total_steps, initial=step, desc="sft", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(start_epoch, step_cfg.epochs):
+    bar = tqdm(total=state.total_steps, initial=state.step, desc="sft", disable=rank != 0 or not cfg.logging.progress_bar)
+    for epoch in range(state.epoch, step_cfg.epochs):
         sampler.set_epoch(epoch)
         for index, batch in enumerate(loader):
             if index < skip:  # consumed before the checkpoint this run resumed from
@@ -136,46 +122,47 @@ def run(cfg: Config) -> dict:
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             loss = engine(**batch).loss
             value = loss.item()
-            ckpt.stop_if_nonfinite(step + 1, state(epoch, index), "SFT loss", value)
+            ckpt.stop_if_nonfinite(state.step + 1, state.at(epoch, index, meter.micro), "SFT loss", value)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             meter.add(batch["attention_mask"])
-            window_loss += value
+            state.window["loss"] += value
             if not boundary:
                 continue
-            step += 1
+            state.step += 1
             bar.update(1)
-            if step % step_cfg.log_every_steps == 0 or step == total_steps:
-                metrics = {**mean_over_ranks({"loss": window_loss / meter.micro}), "lr": engine.get_lr()[0],
-                           "epoch": epoch, **meter.summary(cfg.step.global_batch_size)}
-                logger.log(metrics, step=step)
+            if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
+                metrics = {**mean_over_ranks({"loss": state.window["loss"] / meter.micro}), "lr": engine.get_lr()[0],
+                           "epoch": epoch, **meter.summary(step_cfg.global_batch_size)}
+                logger.log(metrics, step=state.step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 if rank == 0 and not cfg.logging.progress_bar:
-                    print(f"[sft] step {step}/{total_steps} {format_line(metrics)}", flush=True)
-                window_loss = 0.0
-            if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
-                last_eval, last_eval_step = evaluate(), step
-                logger.log({**last_eval, "epoch": epoch}, step=step)
-                if step_cfg.stop_at_accuracy is not None and last_eval["eval/accuracy"] >= step_cfg.stop_at_accuracy:
+                    print(f"[sft] step {state.step}/{state.total_steps} {format_line(metrics)}", flush=True)
+                state.window["loss"] = 0.0
+            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
+                state.last, state.last_eval_step = evaluate(), state.step
+                logger.log({**state.last, "epoch": epoch}, step=state.step)
+                if step_cfg.stop_at_accuracy is not None and state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
                     if rank == 0:
-                        print(f"[sft] step {step}: held-out accuracy {last_eval['eval/accuracy']:.3f} >= "
+                        print(f"[sft] step {state.step}: held-out accuracy {state.last['eval/accuracy']:.3f} >= "
                               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}; stopping", flush=True)
-                    total_steps = step
-            if step >= total_steps:
+                    state.total_steps = state.step
+            if state.step >= state.total_steps:
                 break
-            ckpt.after_step(step, state(epoch, index + 1), stop, logger, "sft")
+            ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "sft")
         skip = 0
-        if last_eval_step != step:
-            last_eval, last_eval_step = evaluate(), step
-            logger.log({**last_eval, "epoch": epoch + 1}, step=step)
+        if state.last_eval_step != state.step:
+            state.last, state.last_eval_step = evaluate(), state.step
+            logger.log({**state.last, "epoch": epoch + 1}, step=state.step)
             if rank == 0:
-                print(f"[sft] epoch {epoch + 1}: eval ppl {first_eval['eval/ppl']:.3f} -> {last_eval['eval/ppl']:.3f}",
-                      flush=True)
-        if step >= total_steps:
+                print(f"[sft] epoch {epoch + 1}: eval ppl {state.first['eval/ppl']:.3f} -> "
+                      f"{state.last['eval/ppl']:.3f}", flush=True)
+        if state.step >= state.total_steps:
             break
-        ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
+        # The epoch boundary: a resume trains the remaining epochs.
+        ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    return finish(cfg, engine, tokenizer, rank, step, first_eval, last_eval, logger)
+    return finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
