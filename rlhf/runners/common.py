@@ -30,6 +30,49 @@ def eval_loader(ds, cfg: Config, rank: int, world: int, collate) -> DataLoader:
                       sampler=DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
 
 
+def model_and_tokenizer(cfg: Config) -> tuple[str, object]:
+    """The model group's path for from_pretrained (a random model is built on first use) and its tokenizer."""
+    from rlhf import models
+
+    path = models.resolve_path(cfg.model)
+    return path, models.load_tokenizer(path, cfg.model.trust_remote_code)
+
+
+def step_data(cfg: Config, step: str, tokenizer, params: dict, build) -> tuple:
+    """The step's tokenized train and eval sets (cached; see rlhf.data.cache) and its eval prompts;
+    rank 0 writes data_report.json, which counts every row dropped and why."""
+    import torch.distributed as dist
+
+    from rlhf.data.blend import DataReport
+    from rlhf.data.cache import cached_step_data
+
+    report = DataReport()
+    out = cached_step_data(step, cfg.data, tokenizer, params, report, build)
+    if dist.get_rank() == 0:
+        (Path(cfg.run_dir) / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    return (*out, report)
+
+
+def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int, role: str):
+    """The step's one trainable model, loaded with ``load`` (models.load_causal_lm or
+    load_reward_model; sharded while loading under ZeRO-3) and wrapped by the engine factory, its
+    DeepSpeed JSON written to ds_config.json; returns it with its parameter count and the
+    checkpointer that saves it."""
+    import torch.distributed as dist
+
+    from rlhf import engine as engine_factory
+    from rlhf.checkpoint import Checkpointer
+
+    with engine_factory.loading_context(cfg):
+        model = load(model_path, tokenizer, engine_factory.model_dtype(cfg), cfg.model.dropout,
+                     cfg.model.trust_remote_code)
+    engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
+    if dist.get_rank() == 0:
+        (Path(cfg.run_dir) / "ds_config.json").write_text(json.dumps({role: ds_cfg}, indent=2))
+    ckpt = Checkpointer(Path(cfg.run_dir), {role: engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
+    return engine, count_params(engine.module), ckpt
+
+
 def plan_steps(cfg: Config, micro_batches_per_epoch: int, rows: int) -> int:
     """Optimizer steps of the run: all epochs, capped by step.max_steps."""
     steps_per_epoch = micro_batches_per_epoch // cfg.step.gradient_accumulation_steps

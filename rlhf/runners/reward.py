@@ -13,32 +13,19 @@ how often the model agrees with the rule. Saves a folder that
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf import engine as engine_factory
 from rlhf import losses, models
-from rlhf.checkpoint import Checkpointer, StopRequest
+from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport
-from rlhf.data.cache import cached_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.distributed import mean_over_ranks
-from rlhf.runners.common import (
-    Throughput,
-    count_params,
-    eval_loader,
-    finish,
-    plan_steps,
-    start_loop,
-    train_loader,
-)
+from rlhf.runners import common
 
 
 def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,38 +101,26 @@ def rule_check(engine, tokenizer, prompts: list[str], answers_per_prompt: int, s
 
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir = Path(cfg.run_dir)
-    step_cfg = cfg.step
-    model_path = models.resolve_path(cfg.model)
-    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
+    rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
+    model_path, tokenizer = common.model_and_tokenizer(cfg)
 
-    report = DataReport()
-    train_ds, eval_ds, eval_prompts = cached_step_data(
-        "reward", cfg.data, tokenizer, {"max_seq_len": step_cfg.max_seq_len}, report,
+    train_ds, eval_ds, eval_prompts, _ = common.step_data(
+        cfg, "reward", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
-    if rank == 0:
-        (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
     collate = PairCollator(tokenizer.pad_token_id)
-    loader, sampler = train_loader(train_ds, cfg, rank, world, collate)
-    evaluation = eval_loader(eval_ds, cfg, rank, world, collate)
+    loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
+    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     # The rule check runs only where the rule knows every eval prompt (the shipped tasks).
     rule_prompts = list(dict.fromkeys(eval_prompts))
     if step_cfg.rule_check_answers == 0 or any(synthetic.parse_prompt(p) is None for p in rule_prompts):
         rule_prompts = []
-    total_steps = plan_steps(cfg, len(loader), len(train_ds))
+    total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
-    with engine_factory.loading_context(cfg):
-        model = models.load_reward_model(model_path, tokenizer, engine_factory.model_dtype(cfg), cfg.model.dropout,
-                                         cfg.model.trust_remote_code)
-    engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
-    n_params = count_params(engine.module)
+    engine, n_params, ckpt = common.train_engine(cfg, models.load_reward_model, model_path, tokenizer, total_steps, "reward")
     if rank == 0:
-        (run_dir / "ds_config.json").write_text(json.dumps({"reward": ds_cfg}, indent=2))
         print(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
-              f"{cfg.step.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
-    ckpt = Checkpointer(run_dir, {"reward": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
-    state, resumed, logger = start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), "reward")
+              f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
+    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), "reward")
     stop = StopRequest()
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
@@ -160,7 +135,7 @@ def run(cfg: Config) -> dict:
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         state.first = state.last = full_eval(0, 0)
-    meter = Throughput(cfg, n_params, world)
+    meter = common.Throughput(cfg, n_params, world)
     meter.micro = state.window_micro
     skip = state.batch_index
 
@@ -211,4 +186,4 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    return finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
+    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)

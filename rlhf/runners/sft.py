@@ -10,33 +10,20 @@ Hugging Face model (LoRA merged) into RUN_DIR/model.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf import engine as engine_factory
 from rlhf import memory, models, rollout
-from rlhf.checkpoint import Checkpointer, StopRequest
+from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport
-from rlhf.data.cache import cached_step_data
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.distributed import mean_over_ranks
 from rlhf.logging import format_line
-from rlhf.runners.common import (
-    Throughput,
-    count_params,
-    eval_loader,
-    finish,
-    plan_steps,
-    start_loop,
-    train_loader,
-)
+from rlhf.runners import common
 
 
 @torch.no_grad()
@@ -60,23 +47,17 @@ def perplexity(engine, loader) -> dict[str, float]:
 
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir = Path(cfg.run_dir)
-    step_cfg = cfg.step
-    model_path = models.resolve_path(cfg.model)
-    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
+    rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
+    model_path, tokenizer = common.model_and_tokenizer(cfg)
 
-    report = DataReport()
-    train_ds, eval_ds, eval_prompts = cached_step_data(
-        "sft", cfg.data, tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on}, report,
+    train_ds, eval_ds, eval_prompts, report = common.step_data(
+        cfg, "sft", tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on},
         lambda rows, split, rep: sft_dataset(rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, rep, split,
                                              cfg.data.on_bad_row))
-    if rank == 0:
-        (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
     collate = PadCollator(tokenizer.pad_token_id)
-    loader, sampler = train_loader(train_ds, cfg, rank, world, collate)
-    evaluation = eval_loader(eval_ds, cfg, rank, world, collate)
-    total_steps = plan_steps(cfg, len(loader), len(train_ds))
+    loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
+    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
+    total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
     # Greedy accuracy by the rule, where the rule knows the eval prompts (the shipped tasks).
     accuracy_prompts = []
     if step_cfg.eval_accuracy_prompts and all(synthetic.parse_prompt(p) for p in eval_prompts):
@@ -92,24 +73,18 @@ def run(cfg: Config) -> dict:
             metrics.update(acc)
         return metrics
 
-    with engine_factory.loading_context(cfg):
-        model = models.load_causal_lm(model_path, tokenizer, engine_factory.model_dtype(cfg), cfg.model.dropout,
-                                      cfg.model.trust_remote_code)
-    engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
-    n_params = count_params(engine.module)
+    engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "model")
     if rank == 0:
-        (run_dir / "ds_config.json").write_text(json.dumps({"model": ds_cfg}, indent=2))
         print(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
-              f"{cfg.step.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
-    ckpt = Checkpointer(run_dir, {"model": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
-    state, resumed, logger = start_loop(ckpt, cfg, rank, total_steps, ("loss",), "sft")
+              f"{step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
+    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss",), "sft")
     stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         state.first = state.last = evaluate()
         logger.log({**state.first, "epoch": 0}, step=0)
-    meter = Throughput(cfg, n_params, world)
+    meter = common.Throughput(cfg, n_params, world)
     meter.micro = state.window_micro
     skip = state.batch_index
 
@@ -165,4 +140,4 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    return finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
+    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
