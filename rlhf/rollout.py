@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import deepspeed
 import torch
@@ -14,6 +15,45 @@ import torch.distributed as dist
 from rlhf import losses
 from rlhf.data.blend import DataReport
 from rlhf.distributed import sum_over_ranks
+
+
+@dataclass
+class Scores:
+    """Per-sequence scores of a rollout batch (host tensors of shape [batch])."""
+
+    # The score the policy optimizes: reward model and reward function, weighted and summed.
+    total: torch.Tensor
+    # The reward model's score at each sequence's last real token; None without a reward model.
+    rm: torch.Tensor | None = None
+    # The reward function's value (e.g. the shipped task's rule); None without one.
+    fn: torch.Tensor | None = None
+
+
+@dataclass
+class Experience:
+    """One PPO step's rollouts and everything the update needs, made once by make_experience.
+
+    Token tensors are [batch, response length] over the answer tokens (``start`` is where their
+    logits begin in the full sequence); ``seq``/``attn``/``pos`` cover prompt + answer."""
+
+    seq: torch.Tensor
+    attn: torch.Tensor
+    pos: torch.Tensor
+    response: torch.Tensor
+    # 1 on answer tokens up to and including eos, as float.
+    mask: torch.Tensor
+    start: int
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    # Per-sequence KL to the reference (summed over the answer's tokens).
+    kl: torch.Tensor
+    prompts: list[str]
+    answers: list[str]
+    scores: Scores
+    # Seconds spent generating (the rest of make_experience is scoring).
+    generate_s: float
 
 
 def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str,

@@ -40,7 +40,17 @@ from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.distributed import cat_over_ranks, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
 from rlhf.rewards import REWARD_FNS
-from rlhf.rollout import answer_texts, evaluate, generate, left_pad, position_ids, prompt_dataset, response_mask
+from rlhf.rollout import (
+    Experience,
+    Scores,
+    answer_texts,
+    evaluate,
+    generate,
+    left_pad,
+    position_ids,
+    prompt_dataset,
+    response_mask,
+)
 from rlhf.runners.common import count_params, finish, open_logger
 
 
@@ -63,25 +73,24 @@ ADVANTAGES = {"gae": _gae, "grpo": _grpo}
 
 # ------------------------------------------------------------------------------- rollouts
 @torch.no_grad()
-def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> dict[str, torch.Tensor]:
+def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> Scores:
     """The reward model's score at each sequence's last real token, the reward function's value, and
     their weighted sum (the score PPO optimizes)."""
-    out = {}
-    total = torch.zeros(seq.shape[0])
+    scores = Scores(total=torch.zeros(seq.shape[0]))
     if reward is not None:
         values = reward(input_ids=seq, attention_mask=attn)
-        out["rm_score"] = losses.gather_at(values, losses.end_indices(attn)).float().cpu()
-        total = total + step_cfg.reward_model_weight * out["rm_score"]
+        scores.rm = losses.gather_at(values, losses.end_indices(attn)).float().cpu()
+        scores.total = scores.total + step_cfg.reward_model_weight * scores.rm
     if rule_fn is not None:
-        out["fn_score"] = torch.tensor([rule_fn(p, a) for p, a in zip(prompts, answers, strict=True)])
-        total = total + step_cfg.reward_fn_weight * out["fn_score"]
-    out["score"] = total
-    return out
+        scores.fn = torch.tensor([rule_fn(p, a) for p, a in zip(prompts, answers, strict=True)])
+        scores.total = scores.total + step_cfg.reward_fn_weight * scores.fn
+    return scores
 
 
 @torch.no_grad()
 def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
-                    gather_whole: bool = False) -> dict:
+                    gather_whole: bool = False) -> Experience:
+    t0 = time.perf_counter()
     chunk = step_cfg.generation_batch_size_per_device or batch["input_ids"].shape[0]
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
                        step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
@@ -111,7 +120,7 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
 
     answers = answer_texts(tokenizer, response, rmask)
     scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg)
-    score = scores["score"].to(device)
+    score = scores.total.to(device)
     if step_cfg.reward_normalize:
         moments.update(score, reduce=sum_over_ranks)  # the global batch's moments: ranks normalize alike
         score = moments.normalize(score)
@@ -121,28 +130,28 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     advantages, returns = ADVANTAGES[step_cfg.advantage_estimator](rewards, old_values, rmask_f, score, step_cfg)
     if step_cfg.whiten_advantages:
         advantages = losses.masked_whiten(advantages, rmask_f, reduce=sum_over_ranks)
-    return {"seq": seq, "attn": attn, "pos": pos, "response": response, "mask": rmask_f, "start": start,
-            "old_logprobs": old_logprobs, "old_values": old_values, "advantages": advantages, "returns": returns,
-            "kl": kl.sum(-1), "answers": answers, "prompts": batch["prompts"],
-            "generated_at": t_generated, **scores}
+    return Experience(seq=seq, attn=attn, pos=pos, response=response, mask=rmask_f, start=start,
+                      old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns,
+                      kl=kl.sum(-1), prompts=batch["prompts"], answers=answers, scores=scores,
+                      generate_s=t_generated - t0)
 
 
 # --------------------------------------------------------------------------------- update
-def ppo_update(actor, critic, exp: dict, step_cfg, generator: torch.Generator, ptx_iter) -> dict[str, float]:
-    n = exp["seq"].shape[0]
+def ppo_update(actor, critic, exp: Experience, step_cfg, generator: torch.Generator, ptx_iter) -> dict[str, float]:
+    n = exp.seq.shape[0]
     micro = step_cfg.micro_batch_size_per_device
     sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ptx_loss": 0.0}
     count = 0
-    start = exp["start"]
+    start = exp.start
     for _ in range(step_cfg.ppo_epochs):
         order = torch.randperm(n, generator=generator)
         for i in range(0, n, micro):
-            idx = order[i:i + micro].to(exp["seq"].device)
-            mask = exp["mask"][idx]
-            logits = actor(input_ids=exp["seq"][idx], attention_mask=exp["attn"][idx],
-                           position_ids=exp["pos"][idx]).logits[:, start:-1]
-            logprobs = losses.token_logprobs(logits, exp["response"][idx], step_cfg.temperature)
-            pg_loss, clip_frac = losses.policy_loss(logprobs, exp["old_logprobs"][idx], exp["advantages"][idx], mask,
+            idx = order[i:i + micro].to(exp.seq.device)
+            mask = exp.mask[idx]
+            logits = actor(input_ids=exp.seq[idx], attention_mask=exp.attn[idx],
+                           position_ids=exp.pos[idx]).logits[:, start:-1]
+            logprobs = losses.token_logprobs(logits, exp.response[idx], step_cfg.temperature)
+            pg_loss, clip_frac = losses.policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask,
                                                     step_cfg.clip_range)
             entropy = losses.masked_mean(losses.entropy_from_logits(logits, step_cfg.temperature), mask)
             loss = pg_loss - step_cfg.entropy_coef * entropy
@@ -154,8 +163,8 @@ def ppo_update(actor, critic, exp: dict, step_cfg, generator: torch.Generator, p
             actor.backward(loss)
             actor.step()
 
-            values = critic(input_ids=exp["seq"][idx], attention_mask=exp["attn"][idx])[:, start:-1]
-            v_loss = losses.value_loss(values, exp["old_values"][idx], exp["returns"][idx], mask,
+            values = critic(input_ids=exp.seq[idx], attention_mask=exp.attn[idx])[:, start:-1]
+            v_loss = losses.value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
                                        step_cfg.value_clip_range)
             critic.backward(step_cfg.vf_coef * v_loss)
             critic.step()
@@ -168,16 +177,16 @@ def ppo_update(actor, critic, exp: dict, step_cfg, generator: torch.Generator, p
     return {k: v / count for k, v in sums.items()}
 
 
-def rollout_metrics(exp: dict, step_cfg) -> dict[str, float]:
+def rollout_metrics(exp: Experience, step_cfg) -> dict[str, float]:
     """Statistics of the global rollout batch (every rank's rows), identical on every rank: the KL
     controller acts on them, so no rank may decide from its own share."""
-    rows = {"score": exp["score"].float(), "kl": exp["kl"].float().cpu(), "len": exp["mask"].sum(-1).float().cpu()}
-    if "rm_score" in exp:
-        rows["rm_score"] = exp["rm_score"].float()
+    rows = {"score": exp.scores.total.float(), "kl": exp.kl.float().cpu(), "len": exp.mask.sum(-1).float().cpu()}
+    if exp.scores.rm is not None:
+        rows["rm_score"] = exp.scores.rm.float()
     # Truth on the rollouts themselves, where the rule knows the prompts: the accuracy PPO
     # really reaches, and how well the reward model's scores separate right from wrong (AUC).
-    if all(synthetic.parse_prompt(p) is not None for p in exp["prompts"]):
-        rows["truth"] = torch.tensor([synthetic.rule_score(p, a) for p, a in zip(exp["prompts"], exp["answers"],
+    if all(synthetic.parse_prompt(p) is not None for p in exp.prompts):
+        rows["truth"] = torch.tensor([synthetic.rule_score(p, a) for p, a in zip(exp.prompts, exp.answers,
                                                                                  strict=True)], dtype=torch.float32)
     keys = list(rows)
     # A rank whose prompts the rule does not know contributes no truth; decide together.
@@ -345,12 +354,12 @@ def run(cfg: Config) -> dict:
             total_loss = train["policy_loss"] + train["value_loss"]
             ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
             t3 = time.perf_counter()
-            n_seq, seq_len = exp["seq"].shape
-            gen_tokens = exp["mask"].sum().item()
+            n_seq, seq_len = exp.seq.shape
+            gen_tokens = exp.mask.sum().item()
             # Forward FLOPs 2N per token: generation, 4 scoring passes, then 3x (fwd+bwd) per update.
             flops = 2 * n_actor * gen_tokens + 2 * (2 * n_actor + 2 * n_critic) * n_seq * seq_len \
                 + step_cfg.ppo_epochs * 6 * (n_actor + n_critic) * n_seq * seq_len
-            metrics.update({"generate_s": exp["generated_at"] - t0, "experience_s": t1 - t0, "train_s": t2 - t1,
+            metrics.update({"generate_s": exp.generate_s, "experience_s": t1 - t0, "train_s": t2 - t1,
                             "other_s": t3 - t2, "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0),
                             "tflops": flops / (t3 - t0) / 1e12, "lr": actor.get_lr()[0], "epoch": epoch,
                             "memory_gb": peak_memory_gb(cfg.hardware.accelerator)})
