@@ -741,6 +741,18 @@ def ppo_role_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def missing_paths(cfg: Config, will_exist: tuple[str, ...] = ()) -> list[str]:
+    """Model folders the run would load that are not there (and that no earlier step of a chain
+    will write): refused before anything loads, instead of a hub error about repo ids."""
+    problems = []
+    for key, path in (("model.path", cfg.model.path), ("actor.path", cfg.actor.path),
+                      ("critic.path", cfg.critic.path), ("reward.path", cfg.reward.path)):
+        if path and looks_local(path) and not os.path.exists(os.path.expanduser(path)) and path not in will_exist:
+            problems.append(f"{key}={path!r} does not exist (a path starting with /, ./, ../ or ~ is a local "
+                            "folder; a hub id looks like org/name)")
+    return problems
+
+
 def load_model_file(name: str) -> ModelConfig:
     """A conf/model file as a ModelConfig (architecture numbers for sizing or checking another role)."""
     node = OmegaConf.load(PROJECT_ROOT / "conf" / "model" / f"{name}.yaml")
@@ -788,9 +800,34 @@ def _register_resolvers() -> None:
 _register_resolvers()
 
 
+def _unknown_keys(node: DictConfig, prefix: str = ""):
+    """Keys of typed nodes that their schema does not have: `+step.max_step=3` (Hydra's own hint for a
+    misspelled key) adds one, and it would otherwise be ignored without a word."""
+    import dataclasses
+
+    kind = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(kind):
+        return
+    names = [f.name for f in dataclasses.fields(kind)]
+    for key in node.keys():
+        if key not in names:
+            yield f"{prefix}{key}", [f"{prefix}{n}" for n in names]
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            yield from _unknown_keys(child, f"{prefix}{key}.")
+
+
 def to_schema(cfg: DictConfig) -> Config:
     """Resolve and instantiate the composed config, running every ``__post_init__`` check."""
+    import difflib
+
     from omegaconf.errors import OmegaConfBaseException
+
+    for key, known in _unknown_keys(cfg):
+        near = difflib.get_close_matches(key, known, n=1)
+        raise ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
+                                                                 "; `python launch.py --cfg job` shows them all"))
 
     try:
         obj = OmegaConf.to_object(cfg)

@@ -23,6 +23,7 @@ from rlhf.config import (
     Config,
     ConfigError,
     load_model_file,
+    missing_paths,
     ppo_role_problems,
     ppo_updates_per_step,
     step_roles,
@@ -64,7 +65,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command:
                                                   "env": env}, indent=2))
 
 
-def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
+def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -> tuple[bool, str, list[str]]:
     """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text;
     whether the memory fits; and the problems that would make the real run refuse to start."""
     from rlhf import memory
@@ -94,7 +95,7 @@ def preflight(schema: Config, run_dir: Path) -> tuple[bool, str, list[str]]:
                      f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
                      f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
                      "the allocation)")
-    problems = ppo_role_problems(schema)
+    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
     lines += [f"refused: {p}" for p in problems]
     critic = load_model_file(schema.critic.model) if schema.critic.model else None
     estimate = memory.estimate(schema, critic)

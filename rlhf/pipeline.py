@@ -97,11 +97,13 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         step_schema = to_schema(step_cfg)
         step_schema.run_dir = str(chain_dir / name)
         if not schema.launch.dry_run and not finished(chain_dir / name):
-            launch_step.refuse_unrunnable(step_schema, *launch_step.preflight(step_schema, chain_dir / name))
+            report = launch_step.preflight(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
+            launch_step.refuse_unrunnable(step_schema, *report)
         planned[name] = (step_cfg, step_schema, args, delta)
     if schema.launch.dry_run:
-        for step_cfg, step_schema, args, _ in planned.values():
-            launch_step.run_step(step_cfg, step_schema, args, command)
+        for name, (_, step_schema, _, _) in planned.items():
+            print(launch_step.preflight(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))[1],
+                  flush=True)
         return {}
 
     chain_dir.mkdir(parents=True, exist_ok=True)

@@ -172,3 +172,19 @@ def test_every_step_has_a_runner_and_one_table_entry():
     from rlhf.config import step_roles
 
     assert [r.name for r in step_roles(ppo)] == ["actor", "reference", "critic"]
+
+
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_with_the_nearest_key():
+    # Hydra's own hint for a misspelled key is `+key=...`; the run must not go on without it.
+    with pytest.raises(ConfigError, match=r"step.max_step is not a key of the config; did you mean step.max_steps\?"):
+        to_schema(compose(["+step.max_step=3"]))
+    with pytest.raises(ConfigError, match="foo is not a key of the config"):
+        to_schema(compose(["+foo.bar=1"]))
+
+
+def test_a_model_folder_that_does_not_exist_is_refused_before_anything_loads(tmp_path):
+    from rlhf.launch import run
+
+    with pytest.raises(ConfigError, match=r"model.path='./no-such-model' does not exist"):
+        run(compose(["model.path=./no-such-model", "model.random_init=false", f"run_dir={tmp_path}"]))
+    assert not (tmp_path / "config.yaml").exists()

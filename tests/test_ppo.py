@@ -136,3 +136,30 @@ def test_ppo_refuses_a_reward_model_with_another_tokenizer(tmp_path):
     other = resolve_path(ModelConfig(name="tiny-opt-640", family="opt", random_init=True, vocab_size=640))
     with pytest.raises(ConfigError, match=r"critic model .* uses another tokenizer than the actor .*tokens"):
         run(compose([*PPO_FAST, f"critic.path={other}", f"run_dir={tmp_path}"]))
+
+
+def test_the_chain_runs_on_a_users_own_folder_without_a_rule(tmp_path, capsys):
+    """DeepSpeed-Chat's local/jsonfile layout with a task the project does not ship: the default
+    chain's SFT stop-at-accuracy needs a rule, so SFT says it runs its full length instead."""
+    import random
+
+    rng = random.Random(0)
+    data = tmp_path / "upper"
+    data.mkdir()
+
+    def row() -> dict:
+        w = [rng.choice("abcdefghij") for _ in range(rng.randint(3, 5))]
+        return {"prompt": f" Human: upper {' '.join(w)} Assistant:", "chosen": " " + " ".join(w).upper(),
+                "rejected": " " + " ".join(w)}
+
+    for split, n in (("train", 600), ("eval", 64)):
+        (data / f"{split}.json").write_text(json.dumps([row() for _ in range(n)]))
+    overrides = ["pipeline=e2e", f"data.sources=[{{path: {data}}}]", *QUIET, f"run_dir={tmp_path / 'run'}",
+                 "pipeline.sft.step.max_steps=5", "pipeline.reward.step.max_steps=5", "pipeline.ppo.step.max_steps=1",
+                 "pipeline.ppo.step.rollout_batch_size_per_device=16", "pipeline.ppo.step.micro_batch_size_per_device=8",
+                 "pipeline.ppo.step.eval_prompts=8"]
+    result = run(compose(overrides), overrides=overrides)
+    assert "step.stop_at_accuracy=0.3 is ignored and SFT runs its full length" in capsys.readouterr().out
+    assert set(result["outputs"]) == {"sft", "reward", "ppo"}
+    assert json.loads((tmp_path / "run" / "sft" / "final_metrics.json").read_text())["step"] == 5
+    assert (tmp_path / "run" / "ppo" / "model" / "config.json").exists()

@@ -64,6 +64,11 @@ def run(cfg: Config) -> dict:
         accuracy_prompts = rollout.prompt_dataset([{"prompt": p} for p in eval_prompts], tokenizer,
                                                   step_cfg.max_seq_len, report, "eval")[: step_cfg.eval_accuracy_prompts]
 
+    if step_cfg.stop_at_accuracy is not None and not accuracy_prompts and rank == 0:
+        print(f"[sft] no rule scores these prompts, so held-out accuracy cannot be measured: "
+              f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
+              "(step.epochs / step.max_steps)", flush=True)
+
     def evaluate() -> dict[str, float]:
         metrics = perplexity(engine, evaluation)
         if accuracy_prompts:
@@ -118,7 +123,8 @@ def run(cfg: Config) -> dict:
             if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
                 state.last, state.last_eval_step = evaluate(), state.step
                 logger.log({**state.last, "epoch": epoch}, step=state.step)
-                if step_cfg.stop_at_accuracy is not None and state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
+                if accuracy_prompts and step_cfg.stop_at_accuracy is not None and \
+                        state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
                     if rank == 0:
                         print(f"[sft] step {state.step}: held-out accuracy {state.last['eval/accuracy']:.3f} >= "
                               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}; stopping", flush=True)
