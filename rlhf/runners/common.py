@@ -73,6 +73,29 @@ def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int
     return engine, count_params(engine.module), ckpt
 
 
+def micro_batches(loader, sampler, epoch: int, skip: int, device):
+    """The epoch's micro batches on ``device`` with their index, after the first ``skip`` (consumed
+    before the checkpoint a run resumed from)."""
+    sampler.set_epoch(epoch)
+    for index, batch in enumerate(loader):
+        if index >= skip:
+            yield index, {k: v.to(device) for k, v in batch.items()}
+
+
+def optimize(engine, loss, ckpt, state: LoopState, epoch: int, index: int, meter: Throughput, batch: dict,
+             what: str) -> tuple[float, bool]:
+    """Backward and step one micro batch, after a check (decided over ranks) that its loss is
+    finite; DeepSpeed steps the optimizer at accumulation boundaries. Returns the loss value and
+    whether this micro batch ended an optimizer step."""
+    value = loss.item()
+    ckpt.stop_if_nonfinite(state.step + 1, state.at(epoch, index, meter.micro), what, value)
+    engine.backward(loss)
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.step()
+    meter.add(batch["attention_mask"])
+    return value, boundary
+
+
 def plan_steps(cfg: Config, micro_batches_per_epoch: int, rows: int) -> int:
     """Optimizer steps of the run: all epochs, capped by step.max_steps."""
     steps_per_epoch = micro_batches_per_epoch // cfg.step.gradient_accumulation_steps

@@ -142,20 +142,11 @@ def run(cfg: Config) -> dict:
     bar = tqdm(total=state.total_steps, initial=state.step, desc="reward",
                disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(state.epoch, step_cfg.epochs):
-        sampler.set_epoch(epoch)
-        for index, batch in enumerate(loader):
-            if index < skip:  # consumed before the checkpoint this run resumed from
-                continue
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
+        for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
             loss, chosen, rejected = pair_scores(engine, batch, step_cfg.score_at)
             if step_cfg.score_regularizer:
                 loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
-            value = loss.item()
-            ckpt.stop_if_nonfinite(state.step + 1, state.at(epoch, index, meter.micro), "reward loss", value)
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
-            meter.add(batch["attention_mask"])
+            value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, "reward loss")
             window = state.window
             window["loss"] += value
             window["acc"] += losses.pairwise_accuracy(chosen, rejected).item()

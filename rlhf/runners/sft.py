@@ -95,18 +95,9 @@ def run(cfg: Config) -> dict:
 
     bar = tqdm(total=state.total_steps, initial=state.step, desc="sft", disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(state.epoch, step_cfg.epochs):
-        sampler.set_epoch(epoch)
-        for index, batch in enumerate(loader):
-            if index < skip:  # consumed before the checkpoint this run resumed from
-                continue
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
+        for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
             loss = engine(**batch).loss
-            value = loss.item()
-            ckpt.stop_if_nonfinite(state.step + 1, state.at(epoch, index, meter.micro), "SFT loss", value)
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
-            meter.add(batch["attention_mask"])
+            value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, "SFT loss")
             state.window["loss"] += value
             if not boundary:
                 continue
