@@ -142,11 +142,13 @@ def refuse_unrunnable(schema: Config, fits: bool, report: str, problems: list[st
                           "launch.force=true to run anyway.")
 
 
-def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict | None:
+def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str],
+                 will_exist: tuple[str, ...] = ()) -> dict | None:
     """Everything before the ranks start: checks, the run directory, shared files. Returns the final
-    metrics of a step that finished before (resume=auto), else None."""
+    metrics of a step that finished before (resume=auto), else None. ``will_exist``: model folders
+    that earlier steps of the same launch write."""
     run_dir = Path(schema.run_dir)
-    refuse_unrunnable(schema, *preflight(schema, run_dir))
+    refuse_unrunnable(schema, *preflight(schema, run_dir, will_exist))
     check_launchable(schema)
     done = run_dir / "final_metrics.json"
     if schema.resume == "auto" and done.exists():

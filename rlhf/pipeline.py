@@ -117,7 +117,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         # turn -- one rendezvous and one library import for the chain instead of one per step.
         for name, (step_cfg, step_schema, args, delta) in todo.items():
             print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
-            launch_step.prepare_step(step_cfg, step_schema, args, command)
+            launch_step.prepare_step(step_cfg, step_schema, args, command, will_exist=tuple(outputs.values()))
         first = next(iter(todo.values()))[1]
         launch_step.launch_ranks(first, [chain_dir / name for name in todo])
     for name, (step_cfg, step_schema, args, delta) in planned.items():
