@@ -42,10 +42,10 @@ def main(cfg: DictConfig) -> float | None:
         final = run(cfg, overrides=overrides, command=COMMAND)
     except ConfigError as err:
         # A user error: one clear line, no traceback wall. In a sweep it fails this job only.
-        print(f"config error: {err}", file=sys.stderr)
+        print(f"{err.kind} error: {err}", file=sys.stderr)
         if not multirun:
             sys.exit(2)
-        sweep.write_result(run_dir, "failed", step, overrides, None, time.perf_counter() - start, f"config error: {err}")
+        sweep.write_result(run_dir, "failed", step, overrides, None, time.perf_counter() - start, f"{err.kind} error: {err}")
         return math.nan
     except Exception as err:  # noqa: BLE001 - a sweep records any failure and goes on to the next job
         if not multirun:

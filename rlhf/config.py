@@ -25,6 +25,14 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 class ConfigError(ValueError):
     """A user error in the composed config; launch.py prints it without a traceback."""
 
+    kind = "config"
+
+
+class DataError(ConfigError):
+    """A user's data cannot be used as configured: the message names the file, row and column."""
+
+    kind = "data"
+
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:

@@ -87,7 +87,7 @@ def test_adapter_maps_the_original_layout(name, tmp_path):
     rows, expected = FIXTURES[name]
     ds = load_source(SourceConfig(path=_folder(tmp_path, rows), adapter=name), "train", 0)
     assert (ds[0]["prompt"], ds[0]["chosen"], ds[0]["rejected"]) == expected
-    assert ds[0]["row"] == 0 and ds[0]["source"] == str(tmp_path)
+    assert ds[0]["row"] == 0 and ds[0]["source"] == str(tmp_path / "train.jsonl")  # the file, for messages
 
 
 def test_webgpt_tie_becomes_a_pair_that_is_dropped_and_counted(tmp_path):
@@ -121,7 +121,7 @@ def test_missing_column_and_unreadable_row_are_named(tmp_path):
         load_source(SourceConfig(path=_folder(tmp_path / "a", [{"prompt": "p", "answer": "x"}])), "train", 0)
     good = {"question": {"full_text": "Q?"}, "answer_0": "A.", "score_0": 0.0, "answer_1": "B.", "score_1": 1.0}
     bad = {**good, "question": {"title": "no full text"}}
-    with pytest.raises(ValueError, match=r"data.sources\[0\] .*row 1: the openai/webgpt_comparisons adapter cannot"):
+    with pytest.raises(ValueError, match=r"data.sources\[0\] .*row 2: the openai/webgpt_comparisons adapter cannot"):
         load_source(SourceConfig(path=_folder(tmp_path / "b", [good, bad]), adapter="openai/webgpt_comparisons"),
                     "train", 0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from datasets import Dataset
 
 from rlhf.config import DataConfig, SourceConfig
 from rlhf.data import synthetic
@@ -127,7 +128,7 @@ def test_bad_rows_are_dropped_and_counted():
 
 
 def test_bad_row_error_names_source_row_and_column():
-    with pytest.raises(BadRowError, match=r"source 's.jsonl', row 1, column 'chosen': empty answer"):
+    with pytest.raises(BadRowError, match=r"bad row in s.jsonl, row 2, column 'chosen': empty answer"):
         sft_dataset(_rows(("a", "b"), ("a", "")), _Tok(), 8, "answer", DataReport(), "train", on_bad_row="error")
 
 
@@ -162,7 +163,7 @@ def test_pairs_drop_and_count_bad_rows():
 def test_pair_bad_row_error_names_the_row():
     from rlhf.data.tokenize import pair_dataset
 
-    with pytest.raises(BadRowError, match=r"source 'p.jsonl', row 0, column 'rejected': chosen equals rejected"):
+    with pytest.raises(BadRowError, match=r"bad row in p.jsonl, row 1, column 'rejected': chosen equals rejected"):
         pair_dataset(_pairs(("a", "b", "b")), _Tok(), 8, DataReport(), "train", on_bad_row="error")
 
 
@@ -216,3 +217,53 @@ def test_tokenized_cache_hits_and_misses_on_every_keyed_setting(tmp_path):
     tok.chat_template = "{{ messages }}"
     assert not load(cfg)[0], "and the tokenizer with its chat template"
     shutil.rmtree(src)
+
+
+def _folder(tmp_path, train_text: str, name: str = "train.jsonl"):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / name).write_text(train_text)
+    good = json.dumps({"prompt": " Human: hi Assistant:", "chosen": " yes", "rejected": " no"})
+    (folder / "eval.jsonl").write_text(good + "\n")
+    return folder, good
+
+
+def test_a_line_that_is_not_json_is_named_or_dropped_and_counted(tmp_path):
+    from rlhf.config import DataConfig, DataError, SourceConfig
+    from rlhf.data.blend import load_step_data
+
+    folder, good = _folder(tmp_path, "\n".join([good_row := json.dumps({"prompt": " Human: a Assistant:",
+                                                                        "chosen": " b", "rejected": " c"}),
+                                                 "{not json", good_row, "[1, 2]", good_row]) + "\n")
+    cfg = DataConfig(name="mine", sources=[SourceConfig(path=str(folder))], split="1,1,1", on_bad_row="error")
+    with pytest.raises(DataError, match=rf"{folder / 'train.jsonl'}, line 2: not a JSON object \(2 such line"):
+        load_step_data(cfg, "sft", DataReport())
+    cfg.on_bad_row = "drop"
+    report = DataReport()
+    train, _ = load_step_data(cfg, "reward", report)
+    assert report.dropped["source"] == {f"{folder / 'train.jsonl'}: line not a JSON object": 2}
+    assert report.sources[str(folder)]["train_rows"] == 3
+
+
+def test_an_empty_train_file_and_a_number_for_text_are_named(tmp_path):
+    from rlhf.config import DataConfig, DataError, SourceConfig
+    from rlhf.data.blend import load_step_data
+
+    folder, _ = _folder(tmp_path, "")
+    cfg = DataConfig(name="mine", sources=[SourceConfig(path=str(folder))])
+    with pytest.raises(DataError, match=rf"{folder / 'train.jsonl'} holds no rows \(empty\)"):
+        load_step_data(cfg, "sft", DataReport())
+    with pytest.raises(BadRowError, match=r"row 1, column 'chosen': answer is a int, not text"):
+        sft_dataset(Dataset.from_dict({"prompt": ["p"], "chosen": [7], "source": ["f.jsonl"], "row": [0]}), _Tok(), 8,
+                    "answer", DataReport(), "train", on_bad_row="error")
+
+
+def test_bad_data_is_one_line_and_exit_code_2_on_the_command_line(tmp_path):
+    from tests.conftest import run_cli
+
+    folder, _ = _folder(tmp_path, '{"prompt": " Human: a Assistant:", "chosen": " b", "rejected": " c"}\n{oops\n')
+    proc = run_cli("step=sft", f"data.sources=[{{path: {folder}}}]", "data.on_bad_row=error",
+                   f"run_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"data error: {folder / 'train.jsonl'}, line 2: not a JSON object" in proc.stderr
+    assert "Traceback" not in proc.stderr

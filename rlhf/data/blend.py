@@ -12,6 +12,7 @@ weight (with repetition where a weight asks for more rows than a part has).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
-from rlhf.config import STEPS, ConfigError, DataConfig, SourceConfig, looks_local
+from rlhf.config import STEPS, ConfigError, DataConfig, DataError, SourceConfig, looks_local
 from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_IDS, map_columns, render_conversation
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -72,7 +73,7 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
     else:
         missing = [c for c in ("prompt", "chosen") if c not in ds.column_names]
         if missing:
-            raise ValueError(f"{key}.path={src.path!r} has no column {missing[0]!r} (columns: {ds.column_names}); "
+            raise DataError(f"{key}.path={src.path!r} has no column {missing[0]!r} (columns: {ds.column_names}); "
                              f"set {key}.columns or {key}.adapter")
         if "rejected" not in ds.column_names:
             ds = ds.add_column("rejected", [""] * len(ds))
@@ -82,54 +83,104 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
         try:
             return fn(row)
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
-            raise ValueError(f"{key} ({src.path}), row {idx}: the {name or 'columns'} adapter cannot read it "
+            raise DataError(f"{key} ({src.path}), row {idx + 1}: the {name or 'columns'} adapter cannot read it "
                              f"({type(err).__name__}: {err}); columns: {list(row)}") from None
 
     return ds.map(safe, with_indices=True, remove_columns=ds.column_names)
 
 
-def _raw(src: SourceConfig, split: str, key: str) -> Dataset:
+def _json_rows_ok(path: Path, on_bad_row: str, report: DataReport | None) -> Path:
+    """A local json/jsonl file, checked before datasets reads it (whose errors name neither file nor
+    line): a line that is not a JSON object stops the run naming file and 1-based line, or with
+    data.on_bad_row=drop is dropped, counted, and the rest read from a cleaned copy; a file with no
+    rows stops the run."""
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})") from None
+        if not rows:
+            raise DataError(f"{path} holds no rows (an empty list)")
+        return path
+    kept, bad = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except json.JSONDecodeError:
+            ok = False
+        (kept if ok else bad).append(line if ok else number)
+    if bad and on_bad_row == "error":
+        raise DataError(f"{path}, line {bad[0]}: not a JSON object ({len(bad)} such line(s)); set "
+                        "data.on_bad_row=drop to drop and count them")
+    if not kept:
+        raise DataError(f"{path} holds no rows" + (f" ({len(bad)} line(s), none a JSON object)" if bad else " (empty)"))
+    if not bad:
+        return path
+    if report is not None:
+        report.drop("source", f"{path}: line not a JSON object", len(bad))
+    from rlhf.models import cache_root
+
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    clean = cache_root() / "clean" / f"{path.stem}-{digest}.jsonl"
+    clean.parent.mkdir(parents=True, exist_ok=True)
+    tmp = clean.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text("\n".join(kept) + "\n")
+    os.replace(tmp, clean)
+    return clean
+
+
+def _raw(src: SourceConfig, split: str, key: str, on_bad_row: str = "drop",
+         report: DataReport | None = None) -> tuple[Dataset, str]:
+    """One split of a source as datasets loads it, and what names it in messages (file or hub id)."""
     path = os.path.expanduser(src.path)
     if not looks_local(src.path):
-        return load_dataset(HUB_IDS.get(src.path, src.path), split=split)
+        return load_dataset(HUB_IDS.get(src.path, src.path), split=split), src.path
     p = Path(path)
     if p.is_dir():
         files = _split_files(p)
         if split not in files:
-            raise FileNotFoundError(f"{key}.path={src.path!r} has no '{split}' file "
-                                    f"(found: {', '.join(files) or 'none'}; formats {', '.join(FORMATS)})")
-        return load_dataset(FORMATS[Path(files[split]).suffix], data_files={split: files[split]}, split=split)
-    if p.suffix not in FORMATS:
-        raise ValueError(f"{key}.path={src.path!r}: unknown format {p.suffix!r}; use {', '.join(FORMATS)}")
-    return load_dataset(FORMATS[p.suffix], data_files={"train": path}, split="train")
+            raise DataError(f"{key}.path={src.path!r} has no '{split}' file "
+                            f"(found: {', '.join(files) or 'none'}; formats {', '.join(FORMATS)})")
+        p = Path(files[split])
+    elif p.suffix not in FORMATS:
+        raise DataError(f"{key}.path={src.path!r}: unknown format {p.suffix!r}; use {', '.join(FORMATS)}")
+    readable = _json_rows_ok(p, on_bad_row, report) if p.suffix in (".json", ".jsonl") else p
+    ds = load_dataset(FORMATS[p.suffix], data_files={"train": str(readable)}, split="train")
+    if len(ds) == 0:
+        raise DataError(f"{p} holds no rows")
+    return ds, str(p)
 
 
 def load_text_sources(cfg: DataConfig) -> list[str]:
     """Texts of data.ptx_sources: their `text` column (or columns.text)."""
     texts: list[str] = []
     for i, src in enumerate(cfg.ptx_sources):
-        ds = _raw(src, src.train_split, f"data.ptx_sources[{i}]")
+        ds, _ = _raw(src, src.train_split, f"data.ptx_sources[{i}]", cfg.on_bad_row)
         column = src.columns.get("text", "text")
         if column not in ds.column_names:
-            raise ValueError(f"data.ptx_sources[{i}].path={src.path!r} has no column {column!r} "
+            raise DataError(f"data.ptx_sources[{i}].path={src.path!r} has no column {column!r} "
                              f"(columns: {ds.column_names}); set data.ptx_sources[{i}].columns.text")
         texts += [t for t in ds[column] if isinstance(t, str) and t.strip()]
     return texts
 
 
-def load_source(src: SourceConfig, split: str, index: int, tokenizer=None) -> Dataset:
+def load_source(src: SourceConfig, split: str, index: int, tokenizer=None, on_bad_row: str = "drop",
+                report: DataReport | None = None) -> Dataset:
     """One split of one source in the common columns, with ``source`` and ``row`` columns for error messages."""
     key = f"data.sources[{index}]"
     local_file = looks_local(src.path) and Path(os.path.expanduser(src.path)).is_file()
     if local_file and split != src.train_split:
-        raise FileNotFoundError(f"{key}.path={src.path!r} is a single file; it has no '{split}' split. "
+        raise DataError(f"{key}.path={src.path!r} is a single file; it has no '{split}' split. "
                                 "Point the source at a folder with train and eval files.")
     if not looks_local(src.path) and split == src.eval_split == "eval" and src.path in EVAL_SPLITS:
         split = EVAL_SPLITS[src.path]  # the dataset's own name for its evaluation split
-    ds = _raw(src, split, key)
+    ds, name = _raw(src, split, key, on_bad_row, report)
     ds = _adapt(ds, src, key, tokenizer)
     ds = ds.add_column("row", list(range(len(ds))))
-    return ds.add_column("source", [src.path] * len(ds))
+    return ds.add_column("source", [name] * len(ds))
 
 
 def _seed_for(seed: int, path: str) -> int:
@@ -159,7 +210,7 @@ def blend(parts: list[Dataset], weights: list[float], seed: int, total: int | No
         idx = np.concatenate([rng.permutation(len(part)) for _ in range(-(-k // len(part)))])[:k]
         picked.append(part.select(idx.tolist()))
     if not picked:
-        raise ValueError("the blend selected no rows: every source's part is empty")
+        raise DataError("the blend selected no rows: every source's part is empty")
     out = concatenate_datasets(picked)
     return out.shuffle(seed=int(rng.integers(2**31))), counts.tolist()
 
@@ -170,9 +221,9 @@ def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=Non
     part = STEPS[step].split_index
     trains, evals = [], []
     for i, src in enumerate(cfg.sources):
-        full = load_source(src, src.train_split, i, tokenizer)
+        full = load_source(src, src.train_split, i, tokenizer, cfg.on_bad_row, report)
         trains.append(split_part(full, cfg.split_fractions, part, _seed_for(cfg.seed, src.path)))
-        evals.append(load_source(src, src.eval_split, i, tokenizer))
+        evals.append(load_source(src, src.eval_split, i, tokenizer, cfg.on_bad_row, report))
         report.sources[src.path] = {"train_rows": len(full), f"{step}_part_rows": len(trains[-1]),
                                     "eval_rows": len(evals[-1]), "weight": src.weight}
     total = sum(len(t) for t in trains)

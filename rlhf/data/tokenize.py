@@ -14,20 +14,28 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
+from rlhf.config import DataError
 from rlhf.data.blend import DataReport
 
 IGNORE_INDEX = -100
 
 
-class BadRowError(ValueError):
+class BadRowError(DataError):
     pass
 
 
 def _bad(report: DataReport, split: str, on_bad_row: str, row: dict, reason: str, column: str) -> None:
     if on_bad_row == "error":  # "drop" and "skip" both drop and count
-        raise BadRowError(f"bad row in source {row['source']!r}, row {row['row']}, column {column!r}: {reason} "
+        raise BadRowError(f"bad row in {row['source']}, row {row['row'] + 1}, column {column!r}: {reason} "
                           "(set data.on_bad_row=drop to drop and count such rows)")
     report.drop(split, reason)
+
+
+def _not_text(value, what: str) -> str | None:
+    """Why ``value`` cannot be a prompt or answer (None when it can)."""
+    if not isinstance(value, str):
+        return f"{what} is {'missing' if value is None else f'a {type(value).__name__}, not text'}"
+    return None if value.strip() else f"empty {what}"
 
 
 def sft_dataset(rows: Dataset, tokenizer, max_seq_len: int, loss_on: str, report: DataReport, split: str,
@@ -36,11 +44,11 @@ def sft_dataset(rows: Dataset, tokenizer, max_seq_len: int, loss_on: str, report
     input_ids, labels = [], []
     for row in rows:
         prompt, answer = row["prompt"], row["chosen"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            _bad(report, split, on_bad_row, row, "empty prompt", "prompt")
+        if why := _not_text(prompt, "prompt"):
+            _bad(report, split, on_bad_row, row, why, "prompt")
             continue
-        if not isinstance(answer, str) or not answer.strip():
-            _bad(report, split, on_bad_row, row, "empty answer", "chosen")
+        if why := _not_text(answer, "answer"):
+            _bad(report, split, on_bad_row, row, why, "chosen")
             continue
         p = tokenizer(prompt).input_ids
         a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
@@ -85,14 +93,14 @@ def pair_dataset(rows: Dataset, tokenizer, max_seq_len: int, report: DataReport,
     chosen_ids, rejected_ids = [], []
     for row in rows:
         prompt = row["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            _bad(report, split, on_bad_row, row, "empty prompt", "prompt")
+        if why := _not_text(prompt, "prompt"):
+            _bad(report, split, on_bad_row, row, why, "prompt")
             continue
         answers = {}
         for column in ("chosen", "rejected"):
             value = row[column]
-            if not isinstance(value, str) or not value.strip():
-                _bad(report, split, on_bad_row, row, "empty answer", column)
+            if why := _not_text(value, "answer"):
+                _bad(report, split, on_bad_row, row, why, column)
                 break
             answers[column] = value
         if len(answers) < 2:
