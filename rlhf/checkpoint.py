@@ -203,16 +203,32 @@ class Checkpointer:
 
     def load(self) -> dict | None:
         """Restore the engines from the latest checkpoint; its client state (RNG states under
-        "rng", for the runner to set where its straight run was), or None."""
+        "rng", for the runner to set where its straight run was), or None.
+
+        A checkpoint that cannot be read (a truncated file, a disk that filled up) is named in a
+        warning and the next older kept one is tried; every rank moves on together."""
         pointer = self.root / "latest"
         if not pointer.exists():
             return None
-        folder = self.root / pointer.read_text().strip()
-        for role, engine in self.engines.items():
-            engine.load_checkpoint(str(folder), tag=role, load_optimizer_states=True, load_lr_scheduler_states=True)
-        saved = torch.load(folder / f"client_rank{self.rank}.pt", weights_only=True)
-        return {**saved["state"], "rng": saved["rng"]}
-
+        latest = pointer.read_text().strip()
+        older = sorted((p.name for p in self.root.glob("step_*") if p.is_dir() and p.name != latest), reverse=True)
+        for name in [latest, *older]:
+            folder = self.root / name
+            try:
+                for role, engine in self.engines.items():
+                    engine.load_checkpoint(str(folder), tag=role, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+                saved = torch.load(folder / f"client_rank{self.rank}.pt", weights_only=True)
+                error = None
+            except Exception as err:  # noqa: BLE001 - any unreadable file: fall back, named
+                error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            if not any_rank(error is not None):
+                return {**saved["state"], "rng": saved["rng"]}
+            if self.rank == 0:
+                print(f"[checkpoint] WARNING: cannot resume from {folder} ({error or 'failed on another rank'}); "
+                      "trying the previous kept checkpoint", flush=True)
+        raise RuntimeError(f"no checkpoint in {self.root} can be read; start over with resume=never or delete "
+                           f"{self.root}")
 
 class StopRequest:
     """SIGINT / SIGTERM set a flag; the runner finishes its optimizer step, saves and exits."""

@@ -81,7 +81,7 @@ def test_sft_resumes_at_an_epoch_boundary_and_trains_the_remaining_epochs(tmp_pa
     assert json.loads((tmp_path / "b" / "final_metrics.json").read_text())["step"] == 30
 
 
-def test_a_checkpoint_write_cut_short_leaves_the_previous_one_usable(tmp_path):
+def test_a_cut_short_write_and_an_unreadable_latest_checkpoint_fall_back_to_a_good_one(tmp_path):
     _straight(SFT, tmp_path / "a")
     _kill_after(SFT, tmp_path / "b", "loss", 12)
     ckpts = tmp_path / "b" / "checkpoints"
@@ -91,10 +91,16 @@ def test_a_checkpoint_write_cut_short_leaves_the_previous_one_usable(tmp_path):
     partial.mkdir()
     (partial / "model").mkdir()
     (partial / "model" / "mp_rank_00_model_states.pt").write_bytes(b"\x00 truncated")
+    # And a latest checkpoint that cannot be read (a truncated model-states file): named, and the
+    # previous kept checkpoint is used; the result is still exactly the straight run's.
     latest = (ckpts / "latest").read_text()
+    states = ckpts / latest / "model" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:100])
+    previous = sorted(p.name for p in ckpts.glob("step_*") if p.name != latest)[-1]
     out = run_cli(*SFT, *QUIET, f"run_dir={tmp_path / 'b'}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resumed at step {int(latest.split('_')[1])}" in out.stdout
+    assert f"cannot resume from {ckpts / latest}" in out.stdout
+    assert f"resumed at step {int(previous.split('_')[1])}" in out.stdout
     _same_result(tmp_path / "a", tmp_path / "b", "loss")
 
 
