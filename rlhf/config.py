@@ -803,6 +803,10 @@ def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("project_root"):
         # Shipped data and caches are addressed from the checkout, whatever the working directory.
         OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+    if not OmegaConf.has_resolver("or_else"):
+        # hydra.run.dir follows run_dir when the user sets it: Hydra's own files (.hydra/) then land
+        # in the run directory instead of a second, timestamped folder under runs/.
+        OmegaConf.register_new_resolver("or_else", lambda value, default: value or default)
 
 
 _register_resolvers()

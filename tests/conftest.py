@@ -70,10 +70,15 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, module: str | None = None, timeout: float = 600, input: str | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python launch.py ARGS` (or `python -m MODULE ARGS`) from the checkout, output captured."""
-    cmd = [sys.executable, *(["-m", module] if module else ["launch.py"]), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, input=input,
-                          env=env or clean_env())
+    """`python launch.py ARGS` (or `python -m MODULE ARGS`), output captured."""
+    # From a scratch folder, with the checkout on PYTHONPATH: a default Hydra run folder (runs/...)
+    # lands there, never in the working tree.
+    cmd = [sys.executable, *(["-m", module] if module else [str(ROOT / "launch.py")]), *args]
+    cwd = _CACHE / "cwd"
+    cwd.mkdir(exist_ok=True)
+    env = dict(env or clean_env())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=input, env=env)
 
 
 def free_port() -> int:

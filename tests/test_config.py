@@ -188,3 +188,10 @@ def test_a_model_folder_that_does_not_exist_is_refused_before_anything_loads(tmp
     with pytest.raises(ConfigError, match=r"model.path='./no-such-model' does not exist"):
         run(compose(["model.path=./no-such-model", "model.random_init=false", f"run_dir={tmp_path}"]))
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_hydra_output_follows_run_dir(tmp_path):
+    """With run_dir set, Hydra's own files go there, not into a second folder under ./runs."""
+    proc = run_cli("step=sft", "launch.dry_run=true", f"run_dir={tmp_path / 'mine'}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "mine" / ".hydra" / "config.yaml").exists()
