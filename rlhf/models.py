@@ -136,8 +136,9 @@ def build_random_model(cfg: ModelConfig, out: Path) -> Path:
         model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                    eos_token_id=tokenizer.eos_token_id,
                                                    pad_token_id=tokenizer.pad_token_id)
-        # is_main_process: inside a multi-rank job transformers would skip the weights on rank > 0.
-        model.save_pretrained(tmp, is_main_process=True)
+        # With torch.distributed initialized transformers writes weights on global rank 0 only; the
+        # completeness check below turns a rank that wrote none into an error, not a broken entry.
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _COMPLETE).write_text("")
         if not cache_entry_complete(tmp):

@@ -64,27 +64,22 @@ def seed_everything(seed: int) -> None:
 
 
 def build_shared_artifacts(cfg: Config) -> None:
-    """Files every rank reads (the random model's cache entry) are built by one rank per node while
-    the others wait: ranks building at once raced for the folder. launch.py already builds them
-    before the ranks start; this covers nodes that do not share its cache."""
-    import torch.distributed as dist
-
+    """The random model's cache entry, before torch.distributed starts: once it has, transformers
+    writes weights on global rank 0 only, and a rank that built the entry then left a folder with
+    tokenizer files alone (the fresh-machine failure). Ranks building at once are safe: each writes
+    its own folder, checks it and renames it into place. launch.py has usually built it already."""
     from rlhf import models
 
-    if not (cfg.model.random_init and not cfg.model.path):
-        return
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if cfg.model.random_init and not cfg.model.path:
         models.resolve_path(cfg.model)
-    if dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def main(cfg: Config) -> dict:
     from rlhf.runners import RUNNERS
 
     quiet_libraries()
-    init_distributed(cfg)
     build_shared_artifacts(cfg)
+    init_distributed(cfg)
     seed_everything(cfg.seed)
     return RUNNERS[cfg.step.name](cfg)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -189,3 +191,26 @@ def test_dry_run_counts_updates_names_the_hostfile_and_refuses_what_the_real_run
     with pytest.raises(ConfigError, match="does not share the actor's tokenizer"):
         run(compose(overrides[:-2] + [f"run_dir={tmp_path}"]), overrides=overrides[:-2])
     assert not (tmp_path / "sft" / "config.yaml").exists(), "refused before the first step started"
+
+
+def test_two_ranks_starting_on_an_empty_cache_both_build_the_random_model_safely(tmp_path):
+    """The fresh-machine failure: ranks started straight by the DeepSpeed launcher on an empty cache
+    (no launch.py to build it first) left a random-model folder holding tokenizer files only."""
+    from omegaconf import OmegaConf
+
+    from rlhf.config import load_run_config
+    from rlhf.models import cache_entry_complete, random_model_dir
+    from tests.conftest import clean_env
+
+    cache = tmp_path / "empty-cache"
+    cfg = compose(["step=sft", "hardware=cpu-2rank", "step.max_steps=1", "step.save_model=false",
+                   "data.max_eval_samples=16", "logging.progress_bar=false", f"run_dir={tmp_path / 'run'}"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
+                           "--master_port", str(_free_port()), "--module", "rlhf.worker",
+                           str(tmp_path / "run" / "config.yaml")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=clean_env(RLHF_CACHE=str(cache)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    entry = random_model_dir(load_run_config(tmp_path / "run" / "config.yaml").model)
+    assert cache_entry_complete(cache / entry.relative_to(entry.parents[1]))
