@@ -159,10 +159,9 @@ def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command:
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         if schema.hardware.nodes > 1 and not schema.launch.hostfile:
             schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""
-        if schema.model.random_init and not schema.model.path:
-            from rlhf.models import resolve_path
+        from rlhf.models import resolve_path
 
-            resolve_path(schema.model)  # once, here, before any rank starts and would race to build it
+        resolve_path(schema.model)  # once here, not once per rank (a hub id or folder costs nothing)
     return None
 
 

@@ -70,8 +70,7 @@ def build_shared_artifacts(cfg: Config) -> None:
     its own folder, checks it and renames it into place. launch.py has usually built it already."""
     from rlhf import models
 
-    if cfg.model.random_init and not cfg.model.path:
-        models.resolve_path(cfg.model)
+    models.resolve_path(cfg.model)  # a hub id or folder comes back as it is, with no work
 
 
 def main(cfg: Config) -> dict:

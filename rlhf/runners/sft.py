@@ -69,12 +69,13 @@ def run(cfg: Config) -> dict:
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
               "(step.epochs / step.max_steps)", flush=True)
 
+    gather_whole = memory.generation_gathers_whole_model(cfg)  # decided once, as the pre-flight did
+
     def evaluate() -> dict[str, float]:
         metrics = perplexity(engine, evaluation)
         if accuracy_prompts:
             acc = rollout.evaluate(engine, None, synthetic.rule_score, accuracy_prompts, tokenizer,
-                                   step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device,
-                                   memory.generation_gathers_whole_model(cfg))
+                                   step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device, gather_whole)
             metrics.update(acc)
         return metrics
 
