@@ -4,7 +4,7 @@ Type a message; `clear` starts a new conversation, `quit` (or end of input) leav
 conversation is kept in DeepSpeed-Chat's " Human: ... Assistant: ..." form and cut from the left
 when it outgrows the model's context.
 
-    python -m rlhf.chat --path runs/e2e/tiny-llama_synthetic-sort/ppo/model
+    python -m rlhf.chat --path runs/e2e/tiny-llama_synthetic-sort_seed42/ppo/model
     python -m rlhf.chat --path facebook/opt-1.3b --max-new-tokens 128 --sample --temperature 0.7
 """
 

@@ -459,6 +459,10 @@ class PPOStepConfig(StepConfig):
     offload_reward: bool = False
     # Held-out prompts scored by greedy decoding (with the rule, where it applies) at each eval; 0: off.
     eval_prompts: int = 256
+    # Where a rule scores the held-out prompts: the output model is the actor of the evaluation with the
+    # best held-out accuracy (the last actor is kept in model_last/), not simply the last one -- PPO
+    # against a learned reward model can lose accuracy late while its reward still rises.
+    keep_best: bool = True
     # ZeRO-3 generation: gathering the whole actor once per generate call is far faster than ZeRO-3's
     # layer-by-layer gathers (repeated for every token), but needs the full actor on each device.
     # auto: gather when the memory pre-flight says it fits (rlhf.memory.generation_gathers_whole_model),
@@ -645,6 +649,9 @@ class PipelineConfig:
     # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
     # (DeepSpeed-Chat's: a separate, smaller base model).
     reward_from_sft: bool = False
+    # Warn before PPO when the reward model's held-out pairwise accuracy is below this (0: never): PPO
+    # finds and exploits the mistakes of a weak reward model.
+    reward_min_accuracy: float = 0.0
     # Per step, the files of conf/stage/ composed over that step's config, in order (each a
     # `# @package _global_` delta: shared constants first, then what depends on size and hardware).
     stages: dict[str, list[str]] = field(default_factory=dict)

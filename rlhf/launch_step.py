@@ -65,6 +65,46 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command:
                                                   "env": env}, indent=2))
 
 
+# Keys that change how a run is watched, launched or checkpointed, not what it computes: a resume
+# (or a rerun of a finished chain) may change them; any other key must match the run in the folder.
+_NOT_RESULTS = ("logging", "resume", "launch", "checkpoint", "run_dir", "step.log_every_steps")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def changed_settings(run_dir: Path, cfg: DictConfig) -> list[str]:
+    """'key: old -> new' for each setting that differs from the run already in ``run_dir`` (its
+    config.yaml), where that run left something to continue or reuse (a checkpoint or its final
+    metrics); empty otherwise. Continuing under other settings would silently mix two runs."""
+    old_file = run_dir / "config.yaml"
+    if not old_file.exists() or not ((run_dir / "final_metrics.json").exists() or (run_dir / "checkpoints").exists()):
+        return []
+    old = _flat(OmegaConf.to_container(OmegaConf.load(old_file), resolve=False))
+    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and not any(k == p or k.startswith(p + ".") for p in _NOT_RESULTS)]
+
+
+def refuse_changed_settings(run_dir: Path, cfg: DictConfig, what: str) -> None:
+    if changes := changed_settings(run_dir, cfg):
+        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+        raise ConfigError(f"{run_dir} holds {what} made with other settings ({shown}): continuing it would mix "
+                          "two runs. Give another run_dir, or resume=never to start over in this folder")
+
+
+def start_over(run_dir: Path) -> None:
+    """resume=never: the folder's checkpoints and final metrics go, so nothing of the old run is
+    resumed or reused later by mistake (its config.yaml and logs are rewritten by the new run)."""
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    (run_dir / "final_metrics.json").unlink(missing_ok=True)
+
+
 def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -> tuple[bool, str, list[str]]:
     """Batch arithmetic, DeepSpeed JSON per role, launch command and the memory table, as text;
     whether the memory fits; and the problems that would make the real run refuse to start."""
@@ -151,6 +191,9 @@ def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command:
     refuse_unrunnable(schema, *preflight(schema, run_dir, will_exist))
     check_launchable(schema)
     done = run_dir / "final_metrics.json"
+    if schema.resume == "never":
+        start_over(run_dir)
+    refuse_changed_settings(run_dir, cfg, "a run")
     if schema.resume == "auto" and done.exists():
         print(f"[{schema.step.name}] {run_dir} finished before ({done.name}); nothing to do "
               "(resume=never starts it over)", flush=True)

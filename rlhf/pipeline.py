@@ -89,14 +89,19 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         steps = [s for s in steps if s in chosen]
     # Every output where it will be: steps not run now feed the next from this chain's folder.
     outputs = {name: str(chain_dir / name / "model") for name in schema.pipeline.steps}
-    outputs = {k: v for k, v in outputs.items() if k in steps or schema.launch.dry_run or finished(chain_dir / k)}
+    reuse = schema.resume == "auto"  # resume=never starts every step over
+    outputs = {k: v for k, v in outputs.items()
+               if k in steps or schema.launch.dry_run or (reuse and finished(chain_dir / k))}
 
     planned = {}
     for name in steps:
         step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
         step_schema = to_schema(step_cfg)
         step_schema.run_dir = str(chain_dir / name)
-        if not schema.launch.dry_run and not finished(chain_dir / name):
+        if reuse and not schema.launch.dry_run:
+            # A finished step is reused only if it ran with these very settings (seed, data, ...).
+            launch_step.refuse_changed_settings(chain_dir / name, step_cfg, f"the chain's {STEPS[name].title}")
+        if not schema.launch.dry_run and not (reuse and finished(chain_dir / name)):
             report = launch_step.preflight(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
             launch_step.refuse_unrunnable(step_schema, *report)
         planned[name] = (step_cfg, step_schema, args, delta)
@@ -111,7 +116,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     manifest_path = chain_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"steps": {}}
     results: dict[str, dict] = {}
-    todo = {name: plan for name, plan in planned.items() if not finished(chain_dir / name)}
+    todo = {name: plan for name, plan in planned.items() if not (reuse and finished(chain_dir / name))}
     if _one_launch(todo):
         # Several ranks: every step's run directory first, then one launch whose ranks run the steps in
         # turn -- one rendezvous and one library import for the chain instead of one per step.
@@ -140,6 +145,9 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         if not (step_dir / "final_metrics.json").exists():
             raise RuntimeError(f"{STEPS[name].title} ended without final_metrics.json in {step_dir}")
         results[name] = json.loads((step_dir / "final_metrics.json").read_text())
+        if warning := weak_reward_model(schema, name, results[name]):
+            print(f"[e2e] WARNING {warning}", flush=True)
+            entry["warnings"] = [warning]
         entry.update(run_dir=str(step_dir), output=outputs[name], metrics=results[name])
         manifest["steps"][name] = entry
         _write_manifest(manifest_path, manifest)
@@ -153,6 +161,15 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     print(f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}", flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
+
+
+def weak_reward_model(schema: Config, name: str, metrics: dict) -> str | None:
+    floor, acc = schema.pipeline.reward_min_accuracy, metrics.get("eval/acc")
+    if name != "reward" or not floor or acc is None or acc >= floor:
+        return None
+    return (f"the reward model's held-out pairwise accuracy {acc:.3f} is below pipeline.reward_min_accuracy="
+            f"{floor}: PPO tends to exploit a weak reward model's mistakes (watch rollout/rm_rule_auc and the "
+            "warnings of the PPO step). Train it longer (pipeline.reward.step.epochs=N) or on more pairs")
 
 
 def _shown(args: list[str], name: str, delta: dict) -> str:

@@ -179,9 +179,10 @@ def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[
 
 @torch.no_grad()
 def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tokens: int,
-             batch_size: int, gather_whole: bool = False) -> dict[str, float]:
+             batch_size: int, gather_whole: bool = False, samples: list | None = None) -> dict[str, float]:
     """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
-    score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts)."""
+    score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts).
+    ``samples``: a list this rank's first batch of (prompt, answer, rule, reward) rows is appended to."""
     if not prompts:
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -195,12 +196,19 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
         answers = answer_texts(tokenizer, response, rmask)
         sums[0] += len(answers)
         sums[3] += rmask.sum().item()
-        if rule_fn is not None:
-            sums[1] += sum(rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True))
+        rules = [rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True)] if rule_fn else None
+        rm = None
+        if rules is not None:
+            sums[1] += sum(rules)
         if reward is not None:
             seq = torch.cat([batch["input_ids"].to(actor.device), response], 1)
             attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
-            sums[2] += losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).sum().item()
+            rm = losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float().cpu()
+            sums[2] += rm.sum().item()
+        if samples is not None and i == 0:
+            samples += [{"prompt": p, "answer": a, "rule": rules[j] if rules else None,
+                         "rm_score": round(rm[j].item(), 4) if rm is not None else None}
+                        for j, (p, a) in enumerate(zip(batch["prompts"], answers, strict=True))]
     sums = sum_over_ranks(sums)
     n = sums[0].item()
     out = {"eval/answer_len": sums[3].item() / n}

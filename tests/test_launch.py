@@ -214,3 +214,17 @@ def test_two_ranks_starting_on_an_empty_cache_both_build_the_random_model_safely
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     entry = random_model_dir(load_run_config(tmp_path / "run" / "config.yaml").model)
     assert cache_entry_complete(cache / entry.relative_to(entry.parents[1]))
+
+
+def test_a_folder_holding_a_run_with_other_settings_is_refused_and_resume_never_starts_over(tmp_path):
+    """Same command, same seed: same numbers. A rerun into a folder whose run used another seed (or
+    any other result-changing key) must not resume or reuse it silently."""
+    base = ["step=sft", "step.max_steps=2", "logging.progress_bar=false", "data.max_eval_samples=16",
+            "step.eval_accuracy_prompts=0", f"run_dir={tmp_path}"]
+    first = run(compose(base))
+    assert run(compose([*base, "logging.progress_bar=true"])) == first, "watching differently is no change"
+    with pytest.raises(ConfigError, match=r"holds a run made with other settings \(optim.lr: 0.003 -> 0.001; "
+                                          r"seed: 42 -> 7\).*resume=never to start over"):
+        run(compose([*base, "seed=7", "optim.lr=1e-3"]))
+    again = run(compose([*base, "seed=7", "resume=never"]))
+    assert again["step"] == 2 and "seed: 7" in (tmp_path / "config.yaml").read_text()

@@ -163,3 +163,49 @@ def test_the_chain_runs_on_a_users_own_folder_without_a_rule(tmp_path, capsys):
     assert set(result["outputs"]) == {"sft", "reward", "ppo"}
     assert json.loads((tmp_path / "run" / "sft" / "final_metrics.json").read_text())["step"] == 5
     assert (tmp_path / "run" / "ppo" / "model" / "config.json").exists()
+
+
+# --------------------------------------------------------------------- learning that holds
+def test_hacking_warning_needs_a_real_accuracy_drop_while_the_reward_model_score_rises():
+    from rlhf.runners.ppo import hacking_warning
+
+    best = {"eval/accuracy": 0.44, "eval/rm_score": 0.63}
+    # 256 prompts at p=0.44: the noise of a difference is 2*sqrt(2*0.44*0.56/256) = 0.0877.
+    hacked = {"eval/accuracy": 0.27, "eval/rm_score": 1.54}
+    assert "rose 0.630 -> 1.540 while rule accuracy fell 0.440 -> 0.270" in hacking_warning(best, hacked, 256)
+    assert "0.088 noise of 256 prompts" in hacking_warning(best, hacked, 256)
+    assert hacking_warning(best, {"eval/accuracy": 0.36, "eval/rm_score": 1.54}, 256) is None, "within noise"
+    assert hacking_warning(best, {"eval/accuracy": 0.27, "eval/rm_score": 0.50}, 256) is None, "both fell"
+    assert hacking_warning(best, {"eval/accuracy": 0.27}, 256) is None, "no reward model: nothing to game"
+
+
+def test_without_a_rule_the_run_says_it_cannot_tell_learning_from_hacking():
+    from rlhf.runners.ppo import unjudged_note
+
+    note = unjudged_note({"eval/rm_score": 0.1}, {"eval/rm_score": 1.7}, 3.5)
+    assert "0.100 -> 1.700 at a KL of 3.500" in note and "cannot tell learning from reward hacking" in note
+    assert unjudged_note({"eval/rm_score": 0.1, "eval/accuracy": 0.3},
+                         {"eval/rm_score": 1.7, "eval/accuracy": 0.5}, 3.5) is None
+
+
+def test_the_best_evaluated_actor_becomes_the_output_and_the_last_is_kept_beside_it(tmp_path, capsys):
+    from rlhf.runners.ppo import _keep_best
+
+    for folder, tag in (("model", "last"), ("best_model", "best")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "tag").write_text(tag)
+    best = {"step": 150, "metrics": {"eval/accuracy": 0.61, "eval/rm_score": 1.40}}
+    last = {"eval/accuracy": 0.33, "eval/rm_score": 1.78}
+    final = {"step": 375, **last}
+    warnings: list[str] = []
+    _keep_best(tmp_path, best, 375, last, final, warnings)
+    assert (tmp_path / "model" / "tag").read_text() == "best"
+    assert (tmp_path / "model_last" / "tag").read_text() == "last"
+    assert not (tmp_path / "best_model").exists()
+    assert final == {"step": 375, "eval/accuracy": 0.61, "eval/rm_score": 1.40, "eval/accuracy_last": 0.33,
+                     "eval/rm_score_last": 1.78, "best_step": 150}
+    assert "model/ is the actor of step 150 (held-out accuracy 0.610" in capsys.readouterr().out
+    # Never better than the start: the last actor stays the output, and the run says so.
+    (tmp_path / "model_last").rename(tmp_path / "model_old")
+    _keep_best(tmp_path, {"step": 0, "metrics": {"eval/accuracy": 0.4}}, 375, last, {}, warnings)
+    assert (tmp_path / "model" / "tag").read_text() == "best" and "never beat its start" in warnings[0]

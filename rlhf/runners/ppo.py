@@ -14,6 +14,8 @@ The RL math is in rlhf/losses.py.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -206,6 +208,35 @@ def rollout_metrics(exp: Experience, step_cfg) -> dict[str, float]:
     return out
 
 
+def hacking_warning(best: dict, now: dict, n_prompts: int) -> str | None:
+    """The reward model is being gamed: since the best evaluation its score on the held-out greedy
+    answers rose while the rule's accuracy fell by more than two standard errors of the difference
+    between two evaluations of ``n_prompts`` prompts (so that noise alone rarely warns)."""
+    keys = ("eval/accuracy", "eval/rm_score")
+    if not all(k in d for d in (best, now) for k in keys):
+        return None
+    p = best["eval/accuracy"]
+    drop, rise = p - now["eval/accuracy"], now["eval/rm_score"] - best["eval/rm_score"]
+    noise = 2 * (2 * max(p * (1 - p), 0.01) / max(n_prompts, 1)) ** 0.5
+    if drop > noise and rise > 0:
+        return (f"reward hacking: the reward model's score on held-out greedy answers rose {best['eval/rm_score']:.3f} -> "
+                f"{now['eval/rm_score']:.3f} while rule accuracy fell {p:.3f} -> {now['eval/accuracy']:.3f} "
+                f"(more than the {noise:.3f} noise of {n_prompts} prompts): the policy is learning the reward "
+                "model's mistakes. Lower optim.lr, raise step.kl_coef or set step.kl_target, or train a better "
+                "reward model")
+    return None
+
+
+def unjudged_note(first: dict, last: dict, kl: float) -> str | None:
+    """Without a rule, a rising reward score cannot be told from reward hacking: say so with the figures."""
+    if "eval/accuracy" in last or "eval/rm_score" not in last or "eval/rm_score" not in first:
+        return None
+    return (f"the reward model's score on held-out greedy answers went {first['eval/rm_score']:.3f} -> "
+            f"{last['eval/rm_score']:.3f} at a KL of {kl:.3f} to the reference; no rule scores these prompts "
+            "(step.reward_fn), so this run cannot tell learning from reward hacking: read the answers in "
+            "samples.jsonl")
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -300,18 +331,39 @@ def run(cfg: Config) -> dict:
     stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
+    # The best held-out evaluation so far ({} until the first): its step and metrics, and the output
+    # model's folder while it is not the last actor.
+    best: dict = {}
+    warnings: list[str] = []
+    keep_best = step_cfg.keep_best and eval_rule is not None and step_cfg.save_model
+
     def full_eval(step: int) -> dict[str, float]:
+        nonlocal best
+        samples: list[dict] = []
         metrics = evaluate(actor, reward, eval_rule, eval_prompts, tokenizer, step_cfg.max_new_tokens,
-                           step_cfg.eval_micro_batch_size_per_device, gather_whole)
+                           step_cfg.eval_micro_batch_size_per_device, gather_whole, samples)
         logger.log(metrics, step=step)
         if rank == 0 and metrics:
             print(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
+            with open(run_dir / "samples.jsonl", "a") as f:  # what the greedy answers look like, per evaluation
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples[:16])
+        if "eval/accuracy" not in metrics:
+            return metrics
+        if best and (why := hacking_warning(best["metrics"], metrics, len(eval_prompts))) and not warnings:
+            warnings.append(f"step {step}: {why}")
+            if rank == 0:
+                print(f"[ppo] WARNING {warnings[-1]}", flush=True)
+        if not best or metrics["eval/accuracy"] > best["metrics"]["eval/accuracy"]:
+            best = {"step": step, "metrics": metrics}
+            if keep_best and step > 0:  # step 0's actor is the start, already on disk as the SFT output
+                save_hf_model(actor, tokenizer, run_dir / "best_model", merge_lora=cfg.lora.merge_on_save)
         return metrics
 
     if resumed:
         step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
         first, last, last_eval_step = resumed["first"], resumed["last"], resumed["last_eval_step"]
         fingerprints = {k: tuple(v) for k, v in resumed["fingerprints"].items()}
+        best, warnings[:] = resumed["best"], resumed["warnings"]
         kl_ctl.load_state_dict(resumed["kl_ctl"])
         moments.load_state_dict(resumed["moments"])
         generator.set_state(resumed["generator"])
@@ -327,9 +379,11 @@ def run(cfg: Config) -> dict:
 
     def state(epoch: int, batch_index: int) -> dict:
         return {"step": step, "epoch": epoch, "batch_index": batch_index, "first": first, "last": last,
-                "last_eval_step": last_eval_step, "fingerprints": fingerprints, "kl_ctl": kl_ctl.state_dict(),
+                "last_eval_step": last_eval_step, "fingerprints": fingerprints, "best": best, "warnings": warnings,
+                "kl_ctl": kl_ctl.state_dict(),
                 "moments": moments.state_dict(), "generator": generator.get_state(), "ema": ema}
 
+    last_kl = float("nan")  # the latest rollout batch's KL to the reference
     bar = tqdm(total=ppo_steps, initial=step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(start_epoch, step_cfg.epochs):
         sampler.set_epoch(epoch)
@@ -350,6 +404,7 @@ def run(cfg: Config) -> dict:
             _ema_update(ema, actor, step_cfg.ema_decay)
             step += 1
             metrics = {**rollout_metrics(exp, step_cfg), **train, "kl_coef": kl_ctl.value}
+            last_kl = metrics["kl"]
             kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
             total_loss = train["policy_loss"] + train["value_loss"]
             ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
@@ -389,13 +444,42 @@ def run(cfg: Config) -> dict:
                                                                         strict=True))
              for role, eng in (("actor", actor), ("reference", ref))}
 
-    def save_critic_and_ema(final: dict) -> None:
+    if note := unjudged_note(first, last, last_kl):
+        warnings.append(note)
+        if rank == 0:
+            print(f"[ppo] NOTE {note}", flush=True)
+
+    def save_more(final: dict) -> None:
         save_hf_model(critic, tokenizer, run_dir / "critic")
         if ema is not None and rank == 0:
             _ema_save(ema, actor, tokenizer, run_dir / "model_ema")
             final["ema_dir"] = str(run_dir / "model_ema")
+        if keep_best and best and rank == 0:
+            _keep_best(run_dir, best, step, last, final, warnings)
+        final["warnings"] = warnings
 
-    return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved}, logger, save_critic_and_ema)
+    return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved}, logger, save_more)
+
+
+def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, warnings: list[str]) -> None:
+    """Make the best-evaluated actor the output (model/), the last one model_last/, and say which."""
+    shutil.rmtree(run_dir / "model_last", ignore_errors=True)
+    final.update({f"{k}_last": v for k, v in last.items()}, best_step=best["step"])
+    if best["step"] == step:
+        shutil.rmtree(run_dir / "best_model", ignore_errors=True)  # an earlier best, now beaten
+        print(f"[ppo] output: the last actor (step {step}) had the best held-out accuracy, "
+              f"{last['eval/accuracy']:.3f}", flush=True)
+    elif best["step"] == 0:
+        warnings.append(f"PPO never beat its start on held-out accuracy ({best['metrics']['eval/accuracy']:.3f} at step "
+                        f"0, {last['eval/accuracy']:.3f} at the end); the output is the last actor")
+        print(f"[ppo] WARNING {warnings[-1]}", flush=True)
+    else:
+        os.replace(run_dir / "model", run_dir / "model_last")
+        os.replace(run_dir / "best_model", run_dir / "model")
+        final.update(best["metrics"])
+        print(f"[ppo] output: model/ is the actor of step {best['step']} (held-out accuracy "
+              f"{best['metrics']['eval/accuracy']:.3f}, the best evaluation); the last actor ({last['eval/accuracy']:.3f}) "
+              f"is in model_last/", flush=True)
 
 
 def _forever(loader):
