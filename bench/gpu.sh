@@ -4,7 +4,7 @@
 # each phase measures; results go to $BENCH_OUT (default runs/bench-gpu): summary.md, summary.json,
 # one JSON per phase, and the SFT and PPO run directories.
 #
-#   bash bench/gpu.sh                # one GPU, under 8 minutes with an empty model cache
+#   bash bench/gpu.sh                # one GPU: 2.5 min on an H200, random models built included
 #   bash bench/gpu.sh zero=2         # extra Hydra overrides for the SFT and PPO runs
 #   bash bench/gpu.sh --tiny         # toy sizes on CPU: checks the script, not the speed
 #
@@ -32,8 +32,9 @@ phase() {  # phase NAME SECONDS [overrides...]
     fi
 }
 
-# Limits: a cold run (models built, CUDA and DeepSpeed started in each process) took about
-# matmul 15 s, SFT 2 min, PPO 2.5 min on an H200; the limits keep the whole under 8 minutes.
+# Limits: a cold run on an H200 (random models built, CUDA and DeepSpeed started in each process)
+# took matmul 4 s, SFT 44 s, PPO 91 s; the limits leave room for a slower disk or GPU and still
+# keep the whole under 8 minutes.
 phase matmul 45
 phase sft 180 "$@"
 phase ppo 210 "$@"

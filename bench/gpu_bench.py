@@ -4,9 +4,9 @@ broken into phases with a 1.3B actor and a 350M critic (DeepSpeed-Chat's step-3 
 Each phase is one call of this script, so each gets a fresh process (clean peak-memory figures, no
 engine left over from the phase before); ``bench/gpu.sh`` runs them in order and writes the summary:
 
-    bash bench/gpu.sh                  # one GPU, ~4 min once the random models are cached
+    bash bench/gpu.sh                  # one GPU: 2.5 min on an H200, random models built included
     bash bench/gpu.sh zero=2           # extra Hydra overrides go to the SFT and PPO runs
-    bash bench/gpu.sh --tiny           # the same script at toy size on CPU (a smoke test, ~2 min)
+    bash bench/gpu.sh --tiny           # the same script at toy size on CPU (a smoke test, ~25 s)
     python bench/gpu_bench.py sft --out runs/bench-gpu [--tiny] [overrides]   # one phase
 
 Phases: ``matmul`` (the chip's bf16 matrix rate, measured, so MFU can be read against what the chip
