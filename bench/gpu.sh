@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The framework on one GPU in one go: matmul rate, SFT TFLOP/s and MFU of a random OPT-1.3B shape,
+# and a PPO step (1.3B actor, 350M critic and reward model) by phase. bench/gpu_bench.py says what
+# each phase measures; results go to $BENCH_OUT (default runs/bench-gpu): summary.md, summary.json,
+# one JSON per phase, and the SFT and PPO run directories.
+#
+#   bash bench/gpu.sh                # one GPU: 2.5 min on an H200, random models built included
+#   bash bench/gpu.sh zero=2         # extra Hydra overrides for the SFT and PPO runs
+#   bash bench/gpu.sh --tiny         # toy sizes on CPU: checks the script, not the speed
+#
+# Each phase runs in its own process under its own time limit, so one that hangs or fails (logged,
+# marked with PHASE.failed) still leaves the others' figures and the summary.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${BENCH_OUT:-runs/bench-gpu}
+TINY=()
+if [[ "${1:-}" == "--tiny" ]]; then TINY=(--tiny); shift; fi
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+rm -f "$OUT"/*.json "$OUT"/*.failed
+
+phase() {  # phase NAME SECONDS [overrides...]
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name (limit ${limit}s)"
+    if ! timeout --kill-after=10 "$limit" "$PYTHON" bench/gpu_bench.py "$name" --out "$OUT" "${TINY[@]}" "$@"; then
+        echo "=== $name FAILED (exit $?) after $((SECONDS - start))s"
+        touch "$OUT/$name.failed"
+    else
+        echo "=== $name done in $((SECONDS - start))s"
+    fi
+}
+
+# Limits: a cold run on an H200 (random models built, CUDA and DeepSpeed started in each process)
+# took matmul 4 s, SFT 44 s, PPO 91 s; the limits leave room for a slower disk or GPU and still
+# keep the whole under 8 minutes.
+phase matmul 45
+phase sft 180 "$@"
+phase ppo 210 "$@"
+"$PYTHON" bench/gpu_bench.py report --out "$OUT" "${TINY[@]}" "$@"
+echo "=== total ${SECONDS}s"
