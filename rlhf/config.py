@@ -269,6 +269,11 @@ class DataConfig:
     # PPO prompts longer than step.max_prompt_len: drop and count (DeepSpeed-Chat's rule), or keep their
     # last tokens (truncate_left: the end of a conversation matters most).
     long_prompts: str = "drop"
+    # The task's rule, scoring (prompt, answer) -> float: held-out accuracy of SFT and PPO, the truth
+    # PPO's rollouts are checked against, and PPO's reward with step.reward_fn=rule. A name from
+    # rlhf.rewards.REWARD_FNS or your own 'package.module:function'; null: the shipped tasks' rule
+    # where it parses every prompt, else none.
+    rule: str | None = None
 
     @property
     def split_fractions(self) -> list[float]:
@@ -290,6 +295,10 @@ class DataConfig:
             path = os.path.expanduser(src.path)
             if looks_local(src.path) and not os.path.exists(path):
                 raise ConfigError(f"data.sources[{i}].path={src.path!r} does not exist")
+        if self.rule:
+            from rlhf.rewards import resolve
+
+            resolve(self.rule, "data.rule")  # a bad reference fails now, naming what could not be imported
         for i, src in enumerate(self.ptx_sources):
             if looks_local(src.path) and not os.path.exists(os.path.expanduser(src.path)):
                 raise ConfigError(f"data.ptx_sources[{i}].path={src.path!r} does not exist")
@@ -427,7 +436,8 @@ class PPOStepConfig(StepConfig):
     reward_normalize: bool = False
     # Weight of the reward model's score in the reward (0: no reward model is loaded).
     reward_model_weight: float = 1.0
-    # A reward function from rlhf.rewards.REWARD_FNS added to the score (null: none), e.g. rule.
+    # A reward function added to the score (null: none): rule (the data's rule, data.rule), a name from
+    # rlhf.rewards.REWARD_FNS, or your own 'package.module:function' taking (prompt, answer) -> float.
     reward_fn: str | None = None
     # Weight of reward_fn's value.
     reward_fn_weight: float = 1.0
@@ -481,8 +491,10 @@ class PPOStepConfig(StepConfig):
             _positive(f"step.{key}", getattr(self, key), allow_zero=True)
         _choice("step.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice("step.advantage_estimator", self.advantage_estimator, ("gae", "grpo"))
-        if self.reward_fn is not None:
-            _choice("step.reward_fn", self.reward_fn, ("rule",))
+        if self.reward_fn is not None and self.reward_fn != "rule":
+            from rlhf.rewards import resolve
+
+            resolve(self.reward_fn, "step.reward_fn")
         if self.reward_model_weight == 0 and self.reward_fn is None:
             raise ConfigError("step.reward_model_weight=0 and no step.reward_fn: PPO would have no reward")
         if self.advantage_estimator == "grpo" and self.samples_per_prompt < 2:

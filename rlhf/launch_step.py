@@ -243,6 +243,9 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     # Ranks must not inherit a single-process rendezvous (tests run steps in-process first).
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT")}
+    # Ranks run from the project root; a user's module named in the config (data.rule=my_task:score)
+    # is imported from the folder the run was started in, as in a one-rank run.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
     runner = Path(sys.executable).parent / "deepspeed"
     exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]

@@ -114,6 +114,14 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     for title in ("Step 1 (SFT)", "Step 2 (reward model)", "Step 3 (PPO)"):
         assert f"{title}: finished output at" in out and "skipping" in out
     assert again["outputs"] == first["outputs"]
+    # The same folder under another seed is another experiment: refused before any step trains.
+    with pytest.raises(ConfigError, match=r"the chain's Step 1 \(SFT\) made with other settings \(seed: 42 -> 3"):
+        run(compose([*overrides, "seed=3"]), overrides=[*overrides, "seed=3"])
+    # Where the rule scores the prompts, PPO's output is its best evaluation, and the greedy answers are kept.
+    final = json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())
+    assert final["best_step"] in (0, 2) and isinstance(final["warnings"], list)
+    samples = [json.loads(line) for line in open(tmp_path / "ppo" / "samples.jsonl")]
+    assert {s["step"] for s in samples} == {0, 2} and all(s["rule"] in (0.0, 1.0) for s in samples)
 
 
 def test_chat_cli_answers_clears_and_quits(sft_and_reward):
@@ -138,9 +146,12 @@ def test_ppo_refuses_a_reward_model_with_another_tokenizer(tmp_path):
         run(compose([*PPO_FAST, f"critic.path={other}", f"run_dir={tmp_path}"]))
 
 
-def test_the_chain_runs_on_a_users_own_folder_without_a_rule(tmp_path, capsys):
-    """DeepSpeed-Chat's local/jsonfile layout with a task the project does not ship: the default
-    chain's SFT stop-at-accuracy needs a rule, so SFT says it runs its full length instead."""
+@pytest.mark.parametrize("with_rule", [False, True])
+def test_the_chain_runs_on_a_users_own_folder_with_or_without_their_rule(tmp_path, capsys, monkeypatch, with_rule):
+    """DeepSpeed-Chat's local/jsonfile layout with a task the project does not ship. Without a rule
+    the default chain's SFT stop-at-accuracy cannot apply, so SFT says it runs its full length, and
+    PPO says it cannot tell learning from hacking; with the user's rule (a module in the working
+    directory) every step measures held-out accuracy by it, as with the shipped tasks."""
     import random
 
     rng = random.Random(0)
@@ -158,11 +169,37 @@ def test_the_chain_runs_on_a_users_own_folder_without_a_rule(tmp_path, capsys):
                  "pipeline.sft.step.max_steps=5", "pipeline.reward.step.max_steps=5", "pipeline.ppo.step.max_steps=1",
                  "pipeline.ppo.step.rollout_batch_size_per_device=16", "pipeline.ppo.step.micro_batch_size_per_device=8",
                  "pipeline.ppo.step.eval_prompts=8"]
+    if with_rule:
+        (tmp_path / "upper_rule.py").write_text(
+            "def score(prompt, answer):\n"
+            "    words = prompt.split('upper', 1)[1].split('Assistant:')[0].split()\n"
+            "    return float(answer.split() == [w.upper() for w in words])\n")
+        monkeypatch.chdir(tmp_path)
+        overrides.append("data.rule=upper_rule:score")
     result = run(compose(overrides), overrides=overrides)
-    assert "step.stop_at_accuracy=0.3 is ignored and SFT runs its full length" in capsys.readouterr().out
-    assert set(result["outputs"]) == {"sft", "reward", "ppo"}
-    assert json.loads((tmp_path / "run" / "sft" / "final_metrics.json").read_text())["step"] == 5
+    out = capsys.readouterr().out
+    sft = json.loads((tmp_path / "run" / "sft" / "final_metrics.json").read_text())
+    ppo = json.loads((tmp_path / "run" / "ppo" / "final_metrics.json").read_text())
+    rollout = [json.loads(line) for line in open(tmp_path / "run" / "ppo" / "metrics.jsonl") if '"kl"' in line]
+    assert set(result["outputs"]) == {"sft", "reward", "ppo"} and sft["step"] == 5
     assert (tmp_path / "run" / "ppo" / "model" / "config.json").exists()
+    if with_rule:
+        assert "is ignored" not in out and "cannot tell" not in out
+        assert 0.0 <= sft["eval/accuracy"] <= 1.0 and 0.0 <= ppo["eval/accuracy"] <= 1.0
+        assert "rollout/rule_accuracy" in rollout[0] and "best_step" in ppo
+    else:
+        assert "step.stop_at_accuracy=0.3 is ignored and SFT runs its full length" in out
+        assert "eval/accuracy" not in sft and "eval/accuracy" not in ppo
+        assert "this run cannot tell learning from reward hacking" in ppo["warnings"][0]
+
+
+def test_a_bad_rule_reference_fails_at_compose_time_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.rule='no_such_module:score': cannot import module 'no_such_module'"):
+        to_schema(compose(["data.rule=no_such_module:score"]))
+    with pytest.raises(ConfigError, match=r"step.reward_fn='json:nope': module 'json' .* has no function 'nope'"):
+        to_schema(compose(["step=ppo", "step.reward_fn=json:nope"]))
+    with pytest.raises(ConfigError, match=r"step.reward_fn='rules' is neither one of synthetic nor"):
+        to_schema(compose(["step=ppo", "step.reward_fn=rules"]))
 
 
 # --------------------------------------------------------------------- learning that holds

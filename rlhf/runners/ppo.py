@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from rlhf import engine as engine_factory
-from rlhf import losses, memory, models
+from rlhf import losses, memory, models, rewards
 from rlhf.checkpoint import (
     Checkpointer,
     StopRequest,
@@ -36,12 +36,10 @@ from rlhf.checkpoint import (
     set_rng_state,
 )
 from rlhf.config import Config, ConfigError, ppo_role_problems, ppo_updates_per_step
-from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data, load_text_sources
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.distributed import cat_over_ranks, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
-from rlhf.rewards import REWARD_FNS
 from rlhf.rollout import (
     Experience,
     Scores,
@@ -179,7 +177,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, generator: torch.Genera
     return {k: v / count for k, v in sums.items()}
 
 
-def rollout_metrics(exp: Experience, step_cfg) -> dict[str, float]:
+def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
     """Statistics of the global rollout batch (every rank's rows), identical on every rank: the KL
     controller acts on them, so no rank may decide from its own share."""
     rows = {"score": exp.scores.total.float(), "kl": exp.kl.float().cpu(), "len": exp.mask.sum(-1).float().cpu()}
@@ -187,9 +185,9 @@ def rollout_metrics(exp: Experience, step_cfg) -> dict[str, float]:
         rows["rm_score"] = exp.scores.rm.float()
     # Truth on the rollouts themselves, where the rule knows the prompts: the accuracy PPO
     # really reaches, and how well the reward model's scores separate right from wrong (AUC).
-    if all(synthetic.parse_prompt(p) is not None for p in exp.prompts):
-        rows["truth"] = torch.tensor([synthetic.rule_score(p, a) for p, a in zip(exp.prompts, exp.answers,
-                                                                                 strict=True)], dtype=torch.float32)
+    if truth is not None and rewards.knows(truth, exp.prompts):
+        rows["truth"] = torch.tensor([truth(p, a) for p, a in zip(exp.prompts, exp.answers, strict=True)],
+                                     dtype=torch.float32)
     keys = list(rows)
     # A rank whose prompts the rule does not know contributes no truth; decide together.
     has_truth = sum_over_ranks(torch.tensor(["truth" in rows], dtype=torch.float32)).item()
@@ -203,7 +201,7 @@ def rollout_metrics(exp: Experience, step_cfg) -> dict[str, float]:
         out["reward/rm_score"] = rows["rm_score"].mean().item()
     if "truth" in rows:
         out["rollout/rule_accuracy"] = rows["truth"].mean().item()
-        if "rm_score" in rows:
+        if "rm_score" in rows and bool(((rows["truth"] == 0) | (rows["truth"] == 1)).all()):  # right/wrong rules
             out["rollout/rm_rule_auc"] = losses.auc(rows["rm_score"], rows["truth"])
     return out
 
@@ -256,7 +254,6 @@ def run(cfg: Config) -> dict:
                                   f"({why}): it would score the actor's token ids as noise. Train the reward model "
                                   "from a model of the actor's family")
     tokenizer.padding_side = "left"
-    rule_fn = REWARD_FNS[step_cfg.reward_fn] if step_cfg.reward_fn else None
 
     report = DataReport()
     train_rows, eval_rows = load_step_data(cfg.data, "ppo", report, tokenizer)
@@ -264,10 +261,18 @@ def run(cfg: Config) -> dict:
                                    cfg.data.long_prompts)
     eval_prompts = prompt_dataset(eval_rows, tokenizer, step_cfg.max_prompt_len, report, "eval",
                                   cfg.data.long_prompts)[:step_cfg.eval_prompts]
-    # Greedy accuracy is measured by the rule wherever the rule knows the prompts, even when the
-    # rule is not part of the reward: that is the check against the truth.
-    eval_rule = rule_fn or (synthetic.rule_score if all(synthetic.parse_prompt(p["prompt"]) for p in eval_prompts)
-                            else None)
+    # The data's rule (data.rule, or the shipped tasks' on their prompts) measures greedy accuracy and
+    # the truth of the rollouts even when it is not part of the reward: the check against the truth.
+    data_rule = rewards.task_rule(cfg.data.rule, [p["prompt"] for p in eval_prompts])
+    rule_fn = None
+    if step_cfg.reward_fn == rewards.DATA_RULE:
+        if data_rule is None:
+            raise ConfigError("step.reward_fn=rule but no rule scores these prompts: set data.rule="
+                              "package.module:function, or give step.reward_fn such a reference")
+        rule_fn = data_rule
+    elif step_cfg.reward_fn:
+        rule_fn = rewards.resolve(step_cfg.reward_fn, "step.reward_fn")
+    eval_rule = data_rule or rule_fn
     prompts_per_step = step_cfg.rollout_batch_size_per_device // step_cfg.samples_per_prompt
     sampler = DistributedSampler(train_prompts, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed,
                                  drop_last=True)
@@ -403,7 +408,7 @@ def run(cfg: Config) -> dict:
             t2 = time.perf_counter()
             _ema_update(ema, actor, step_cfg.ema_decay)
             step += 1
-            metrics = {**rollout_metrics(exp, step_cfg), **train, "kl_coef": kl_ctl.value}
+            metrics = {**rollout_metrics(exp, eval_rule), **train, "kl_coef": kl_ctl.value}
             last_kl = metrics["kl"]
             kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
             total_loss = train["policy_loss"] + train["value_loss"]

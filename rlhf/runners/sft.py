@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf import memory, models, rollout
+from rlhf import memory, models, rewards, rollout
 from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
-from rlhf.data import synthetic
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.distributed import mean_over_ranks
 from rlhf.logging import format_line
@@ -58,14 +57,15 @@ def run(cfg: Config) -> dict:
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
-    # Greedy accuracy by the rule, where the rule knows the eval prompts (the shipped tasks).
+    # Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts).
     accuracy_prompts = []
-    if step_cfg.eval_accuracy_prompts and all(synthetic.parse_prompt(p) for p in eval_prompts):
+    rule = rewards.task_rule(cfg.data.rule, eval_prompts)
+    if step_cfg.eval_accuracy_prompts and rule is not None:
         accuracy_prompts = rollout.prompt_dataset([{"prompt": p} for p in eval_prompts], tokenizer,
                                                   step_cfg.max_seq_len, report, "eval")[: step_cfg.eval_accuracy_prompts]
 
     if step_cfg.stop_at_accuracy is not None and not accuracy_prompts and rank == 0:
-        print(f"[sft] no rule scores these prompts, so held-out accuracy cannot be measured: "
+        print(f"[sft] no rule scores these prompts (data.rule), so held-out accuracy cannot be measured: "
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
               "(step.epochs / step.max_steps)", flush=True)
 
@@ -74,7 +74,7 @@ def run(cfg: Config) -> dict:
     def evaluate() -> dict[str, float]:
         metrics = perplexity(engine, evaluation)
         if accuracy_prompts:
-            acc = rollout.evaluate(engine, None, synthetic.rule_score, accuracy_prompts, tokenizer,
+            acc = rollout.evaluate(engine, None, rule, accuracy_prompts, tokenizer,
                                    step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device, gather_whole)
             metrics.update(acc)
         return metrics
