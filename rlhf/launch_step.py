@@ -23,6 +23,7 @@ from rlhf.config import (
     Config,
     ConfigError,
     load_model_file,
+    looks_local,
     missing_paths,
     ppo_role_problems,
     ppo_updates_per_step,
@@ -156,8 +157,35 @@ def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:
     return str(path)
 
 
+def hub_unreachable(repo_id: str) -> str | None:
+    """Why a hub model id cannot be loaded here, or None: it is in the Hugging Face cache, or the hub
+    answers. Asked once, in seconds, instead of from_pretrained's minutes of retries on every rank."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set and it is not in the Hugging Face cache (HF_HOME)"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError as err:
+        return f"{host} cannot be reached ({err}) and it is not in the Hugging Face cache (HF_HOME)"
+    return None
+
+
 def check_launchable(schema: Config) -> None:
-    """What only matters when ranks really start: hostfile for several nodes, enough devices."""
+    """What only matters when ranks really start: hub models reachable, hostfile for several nodes,
+    enough devices."""
+    for key, path in (("model.path", schema.model.path if not schema.model.random_init else ""),
+                      ("actor.path", schema.actor.path), ("critic.path", schema.critic.path),
+                      ("reward.path", schema.reward.path)):
+        if path and not looks_local(path) and (why := hub_unreachable(path)):
+            raise ConfigError(f"{key}={path!r} is a hub id, but {why}: download it where the hub is reachable "
+                              "and pass the folder, or run where the hub is reachable")
     if schema.hardware.nodes > 1 and not schema.launch.hostfile and not os.environ.get("SLURM_JOB_NODELIST"):
         raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
     if schema.hardware.accelerator == "cuda":

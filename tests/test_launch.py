@@ -228,3 +228,14 @@ def test_a_folder_holding_a_run_with_other_settings_is_refused_and_resume_never_
         run(compose([*base, "seed=7", "optim.lr=1e-3"]))
     again = run(compose([*base, "seed=7", "resume=never"]))
     assert again["step"] == 2 and "seed: 7" in (tmp_path / "config.yaml").read_text()
+
+
+def test_a_hub_model_that_cannot_be_reached_is_refused_at_once(tmp_path, monkeypatch):
+    """Instead of from_pretrained's minutes of retries on every rank, one line before anything starts."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match=r"model.path='facebook/opt-125m' is a hub id, but HF_HUB_OFFLINE is set "
+                                          r"and it is not in the Hugging Face cache"):
+        run(compose(["model=opt-125m", "step.max_steps=1", f"run_dir={tmp_path}"]))
+    assert not (tmp_path / "config.yaml").exists(), "refused before the run directory is written"

@@ -6,11 +6,13 @@ Plain functions and one small class, no base runner: each runner still reads top
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
 
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
@@ -149,6 +151,13 @@ def count_params(module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
+def say(line: str) -> None:
+    """A console line (rank 0) that does not land on the progress bar's line: tqdm clears the bar,
+    prints, and redraws it below."""
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, last: dict, logger,
            save_more=None) -> dict:
     """Save the model (HF format), then whatever ``save_more(final)`` saves besides, and write
@@ -162,6 +171,9 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
             save_more(final)
     if rank == 0:
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
+        where = f"model {run_dir / 'model'}, " if cfg.step.save_model else ""
+        say(f"[{cfg.step.name}] done: {where}metrics {run_dir / 'metrics.jsonl'}, final figures "
+            f"{run_dir / 'final_metrics.json'}")
     logger.close()
     return final
 
@@ -204,6 +216,5 @@ def start_loop(ckpt, cfg: Config, rank: int, total_steps: int, window_keys: tupl
     logger.truncate_after(state.step)
     set_rng_state(resumed["rng"])
     if rank == 0:
-        print(f"[{what}] resumed at step {state.step} (epoch {state.epoch}, micro batch {state.batch_index})",
-              flush=True)
+        say(f"[{what}] resumed at step {state.step} (epoch {state.epoch}, micro batch {state.batch_index})")
     return state, True, logger

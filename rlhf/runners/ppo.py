@@ -51,7 +51,7 @@ from rlhf.rollout import (
     prompt_dataset,
     response_mask,
 )
-from rlhf.runners.common import count_params, finish, open_logger
+from rlhf.runners.common import count_params, finish, open_logger, say
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -324,11 +324,10 @@ def run(cfg: Config) -> dict:
     if rank == 0:
         (run_dir / "ds_config.json").write_text(json.dumps(
             {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds, "reward": reward_ds}, indent=2))
-        print(f"[ppo] {len(train_prompts)} prompts, {ppo_steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
+        say(f"[ppo] {len(train_prompts)} prompts, {ppo_steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
               f"rollouts per device, {updates_per_step} micro-batch updates each; actor {n_actor / 1e6:.2f}M, critic "
               f"{n_critic / 1e6:.2f}M parameters; reward: "
-              f"{'reward model' if reward else ''}{' + ' if reward and rule_fn else ''}{step_cfg.reward_fn or ''}",
-              flush=True)
+              f"{'reward model' if reward else ''}{' + ' if reward and rule_fn else ''}{step_cfg.reward_fn or ''}")
     ckpt = Checkpointer(run_dir, {"actor": actor, "critic": critic}, cfg.checkpoint.every_steps,
                         cfg.checkpoint.keep_last)
     resumed = ckpt.load() if cfg.resume == "auto" else None
@@ -349,7 +348,7 @@ def run(cfg: Config) -> dict:
                            step_cfg.eval_micro_batch_size_per_device, gather_whole, samples)
         logger.log(metrics, step=step)
         if rank == 0 and metrics:
-            print(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
+            say(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
             with open(run_dir / "samples.jsonl", "a") as f:  # what the greedy answers look like, per evaluation
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples[:16])
         if "eval/accuracy" not in metrics:
@@ -357,7 +356,7 @@ def run(cfg: Config) -> dict:
         if best and (why := hacking_warning(best["metrics"], metrics, len(eval_prompts))) and not warnings:
             warnings.append(f"step {step}: {why}")
             if rank == 0:
-                print(f"[ppo] WARNING {warnings[-1]}", flush=True)
+                say(f"[ppo] WARNING {warnings[-1]}")
         if not best or metrics["eval/accuracy"] > best["metrics"]["eval/accuracy"]:
             best = {"step": step, "metrics": metrics}
             if keep_best and step > 0:  # step 0's actor is the start, already on disk as the SFT output
@@ -376,7 +375,7 @@ def run(cfg: Config) -> dict:
             ema = resumed["ema"]
         logger.truncate_after(step)
         if rank == 0:
-            print(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})", flush=True)
+            say(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})")
     else:
         fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
         first = last = full_eval(0)
@@ -428,8 +427,7 @@ def run(cfg: Config) -> dict:
             bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
             if rank == 0 and step % step_cfg.log_every_steps == 0:
                 keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "step_s")
-                print(f"[ppo] step {step}/{ppo_steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics),
-                      flush=True)
+                say(f"[ppo] step {step}/{ppo_steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
             if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
                 last, last_eval_step = full_eval(step), step
             if step >= ppo_steps:
@@ -452,7 +450,7 @@ def run(cfg: Config) -> dict:
     if note := unjudged_note(first, last, last_kl):
         warnings.append(note)
         if rank == 0:
-            print(f"[ppo] NOTE {note}", flush=True)
+            say(f"[ppo] NOTE {note}")
 
     def save_more(final: dict) -> None:
         save_hf_model(critic, tokenizer, run_dir / "critic")
@@ -472,19 +470,19 @@ def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, wa
     final.update({f"{k}_last": v for k, v in last.items()}, best_step=best["step"])
     if best["step"] == step:
         shutil.rmtree(run_dir / "best_model", ignore_errors=True)  # an earlier best, now beaten
-        print(f"[ppo] output: the last actor (step {step}) had the best held-out accuracy, "
-              f"{last['eval/accuracy']:.3f}", flush=True)
+        say(f"[ppo] output: the last actor (step {step}) had the best held-out accuracy, "
+              f"{last['eval/accuracy']:.3f}")
     elif best["step"] == 0:
         warnings.append(f"PPO never beat its start on held-out accuracy ({best['metrics']['eval/accuracy']:.3f} at step "
                         f"0, {last['eval/accuracy']:.3f} at the end); the output is the last actor")
-        print(f"[ppo] WARNING {warnings[-1]}", flush=True)
+        say(f"[ppo] WARNING {warnings[-1]}")
     else:
         os.replace(run_dir / "model", run_dir / "model_last")
         os.replace(run_dir / "best_model", run_dir / "model")
         final.update(best["metrics"])
-        print(f"[ppo] output: model/ is the actor of step {best['step']} (held-out accuracy "
+        say(f"[ppo] output: model/ is the actor of step {best['step']} (held-out accuracy "
               f"{best['metrics']['eval/accuracy']:.3f}, the best evaluation); the last actor ({last['eval/accuracy']:.3f}) "
-              f"is in model_last/", flush=True)
+              f"is in model_last/")
 
 
 def _forever(loader):

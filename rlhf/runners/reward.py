@@ -118,8 +118,8 @@ def run(cfg: Config) -> dict:
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_reward_model, model_path, tokenizer, total_steps, "reward")
     if rank == 0:
-        print(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
-              f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters", flush=True)
+        common.say(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
+              f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters")
     state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), "reward")
     stop = StopRequest()
 
@@ -129,7 +129,7 @@ def run(cfg: Config) -> dict:
             metrics.update(rule_check(engine, tokenizer, rule_prompts, step_cfg.rule_check_answers, cfg.data.seed))
         logger.log({**metrics, "epoch": epoch}, step=step)
         if rank == 0:
-            print(f"[reward] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()), flush=True)
+            common.say(f"[reward] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
         return metrics
 
     # -------------------------------------------------------------------------------- loop

@@ -65,9 +65,9 @@ def run(cfg: Config) -> dict:
                                                   step_cfg.max_seq_len, report, "eval")[: step_cfg.eval_accuracy_prompts]
 
     if step_cfg.stop_at_accuracy is not None and not accuracy_prompts and rank == 0:
-        print(f"[sft] no rule scores these prompts (data.rule), so held-out accuracy cannot be measured: "
+        common.say(f"[sft] no rule scores these prompts (data.rule), so held-out accuracy cannot be measured: "
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
-              "(step.epochs / step.max_steps)", flush=True)
+              "(step.epochs / step.max_steps)")
 
     gather_whole = memory.generation_gathers_whole_model(cfg)  # decided once, as the pre-flight did
 
@@ -81,8 +81,8 @@ def run(cfg: Config) -> dict:
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "model")
     if rank == 0:
-        print(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
-              f"{step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters", flush=True)
+        common.say(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
+              f"{step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters")
     state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss",), "sft")
     stop = StopRequest()
 
@@ -110,7 +110,7 @@ def run(cfg: Config) -> dict:
                 logger.log(metrics, step=state.step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 if rank == 0 and not cfg.logging.progress_bar:
-                    print(f"[sft] step {state.step}/{state.total_steps} {format_line(metrics)}", flush=True)
+                    common.say(f"[sft] step {state.step}/{state.total_steps} {format_line(metrics)}")
                 state.window["loss"] = 0.0
             if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
                 state.last, state.last_eval_step = evaluate(), state.step
@@ -118,8 +118,8 @@ def run(cfg: Config) -> dict:
                 if accuracy_prompts and step_cfg.stop_at_accuracy is not None and \
                         state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
                     if rank == 0:
-                        print(f"[sft] step {state.step}: held-out accuracy {state.last['eval/accuracy']:.3f} >= "
-                              f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}; stopping", flush=True)
+                        common.say(f"[sft] step {state.step}: held-out accuracy {state.last['eval/accuracy']:.3f} >= "
+                              f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}; stopping")
                     state.total_steps = state.step
             if state.step >= state.total_steps:
                 break
@@ -129,8 +129,8 @@ def run(cfg: Config) -> dict:
             state.last, state.last_eval_step = evaluate(), state.step
             logger.log({**state.last, "epoch": epoch + 1}, step=state.step)
             if rank == 0:
-                print(f"[sft] epoch {epoch + 1}: eval ppl {state.first['eval/ppl']:.3f} -> "
-                      f"{state.last['eval/ppl']:.3f}", flush=True)
+                common.say(f"[sft] epoch {epoch + 1}: eval ppl {state.first['eval/ppl']:.3f} -> "
+                      f"{state.last['eval/ppl']:.3f}")
         if state.step >= state.total_steps:
             break
         # The epoch boundary: a resume trains the remaining epochs.
