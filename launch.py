@@ -61,6 +61,11 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from rlhf.launch import usage
+
+        print(usage())
+        sys.exit(0)
     # Hydra reads `zero=3` as the integer 3 and refuses it as a group choice; quote it as the
     # compose path (rlhf.config.compose_config) does.
     sys.argv[1:] = quote_numeric_groups(sys.argv[1:])

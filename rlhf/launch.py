@@ -30,3 +30,38 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
     if pipeline.is_chain(cfg):
         return pipeline.run_chain(cfg, schema, overrides, command)
     return launch_step.run_step(cfg, schema, overrides, command)
+
+
+def usage() -> str:
+    """`python launch.py --help`: the groups and their options as the files on disk have them, where
+    each key is documented (the comment above it), instead of Hydra's dump of every resolved key."""
+    from rlhf.config import PROJECT_ROOT
+
+    conf = PROJECT_ROOT / "conf"
+
+    def options(folder: Path) -> str:
+        return ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+
+    groups = [(d.name, options(d)) for d in sorted(conf.iterdir()) if d.is_dir() and d.name not in ("hydra", "stage")]
+    groups.append(("sweep", options(PROJECT_ROOT / "sweeps" / "sweep") + "   (with -m; files in sweeps/sweep/)"))
+    groups.append(("stage", ", ".join(sorted(d.name for d in (conf / "stage").iterdir() if d.is_dir()))
+                   + "   (a chain's per-step files, named by pipeline.stages.<step>)"))
+    width = max(len(name) for name, _ in groups)
+    lines = ["usage: python launch.py [group=option ...] [key=value ...]        one step, or a chain with pipeline=e2e",
+             "       python launch.py -m [group=a,b ...] [key=x,y ...]           a sweep (or sweep=<name>)",
+             "       python launch.py ... launch.dry_run=true                    DeepSpeed JSON, batch math, launch",
+             "                                                                   command and memory verdict only",
+             "",
+             "Config groups (conf/<group>/<option>.yaml):"]
+    lines += [f"  {name:<{width}}  {opts}" for name, opts in groups]
+    lines += ["",
+              "Every key is documented by the comment above it in its YAML file (conf/config.yaml, conf/step/<step>.yaml,",
+              "conf/model/..., conf/data/...); a misspelled key is refused with the nearest known one. Main keys:",
+              "  step.epochs  step.max_steps  step.micro_batch_size_per_device  optim.lr  seed  run_dir  resume",
+              "  lora.rank  step.gradient_checkpointing  data.sources  data.rule  actor.path  critic.path",
+              "  pipeline.<step>.<key>=value   one key of one step of a chain, e.g. pipeline.ppo.step.epochs=1",
+              "",
+              "The composed config of a command:  python launch.py [overrides] --cfg job",
+              "Hydra's own help:                   python launch.py --hydra-help",
+              "More: README.md"]
+    return "\n".join(lines)

@@ -239,3 +239,12 @@ def test_a_hub_model_that_cannot_be_reached_is_refused_at_once(tmp_path, monkeyp
                                           r"and it is not in the Hugging Face cache"):
         run(compose(["model=opt-125m", "step.max_steps=1", f"run_dir={tmp_path}"]))
     assert not (tmp_path / "config.yaml").exists(), "refused before the run directory is written"
+
+
+def test_help_lists_the_groups_as_files_and_the_sweeps_without_schema_entries():
+    proc = run_cli("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert "schema" not in proc.stdout
+    assert "sft_lr_zero" in lines["sweep"] and "3-offload" in lines["zero"] and "e2e" in lines["stage"]
+    assert len(proc.stdout.splitlines()) < 40, "a page, not a dump of every key"
