@@ -104,9 +104,12 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     assert "+stage=[e2e/ppo]" in ppo_overrides and manifest["steps"]["ppo"]["delta"]["step"]["max_steps"] == 2
     # The stage file's keys stay where the delta does not touch them.
     ppo_cfg = (tmp_path / "ppo" / "config.yaml").read_text()
-    assert "lr: 0.0003" in ppo_cfg and "epochs: 3" in ppo_cfg and "eval_prompts: 16" in ppo_cfg
+    assert "lr: 0.0003" in ppo_cfg and "epochs: 6" in ppo_cfg and "eval_prompts: 16" in ppo_cfg
     out = capsys.readouterr().out
     assert "Finished Step 1 (SFT) in" in out and "Finished Step 3 (PPO) in" in out
+    # 10 steps make a weak reward model: the chain says so before PPO games it.
+    assert "below pipeline.reward_min_accuracy=0.985" in manifest["steps"]["reward"]["warnings"][0]
+    assert "[e2e] WARNING the reward model's held-out pairwise accuracy" in out
     assert (tmp_path / "ppo" / "model" / "config.json").exists()
 
     again = run(compose(overrides), overrides=overrides)
