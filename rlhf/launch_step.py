@@ -178,14 +178,8 @@ def hub_unreachable(repo_id: str) -> str | None:
 
 
 def check_launchable(schema: Config) -> None:
-    """What only matters when ranks really start: hub models reachable, hostfile for several nodes,
-    enough devices."""
-    for key, path in (("model.path", schema.model.path if not schema.model.random_init else ""),
-                      ("actor.path", schema.actor.path), ("critic.path", schema.critic.path),
-                      ("reward.path", schema.reward.path)):
-        if path and not looks_local(path) and (why := hub_unreachable(path)):
-            raise ConfigError(f"{key}={path!r} is a hub id, but {why}: download it where the hub is reachable "
-                              "and pass the folder, or run where the hub is reachable")
+    """What only matters when ranks really start: hostfile for several nodes, enough devices, hub
+    models reachable."""
     if schema.hardware.nodes > 1 and not schema.launch.hostfile and not os.environ.get("SLURM_JOB_NODELIST"):
         raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
     if schema.hardware.accelerator == "cuda":
@@ -198,6 +192,12 @@ def check_launchable(schema: Config) -> None:
     elif schema.hardware.devices_per_node > (os.cpu_count() or 1):
         raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} CPU ranks but this machine "
                           f"has {os.cpu_count()} cores")
+    for key, path in (("model.path", schema.model.path if not schema.model.random_init else ""),
+                      ("actor.path", schema.actor.path), ("critic.path", schema.critic.path),
+                      ("reward.path", schema.reward.path)):
+        if path and not looks_local(path) and (why := hub_unreachable(path)):
+            raise ConfigError(f"{key}={path!r} is a hub id, but {why}: download it where the hub is reachable "
+                              "and pass the folder, or run where the hub is reachable")
 
 
 def refuse_unrunnable(schema: Config, fits: bool, report: str, problems: list[str]) -> None:
