@@ -267,3 +267,12 @@ def test_bad_data_is_one_line_and_exit_code_2_on_the_command_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"data error: {folder / 'train.jsonl'}, line 2: not a JSON object" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_sources_split_does_not_depend_on_where_the_checkout_or_folder_lives(tmp_path):
+    """A fresh clone elsewhere must split the data as this checkout does (the split seed once hashed
+    the absolute path, so the same command gave other numbers in another folder)."""
+    from rlhf.data.blend import _seed_for
+
+    assert _seed_for(42, "/work/main/data/synthetic/sort") == _seed_for(42, str(tmp_path / "synthetic" / "sort"))
+    assert _seed_for(42, "/a/sort") != _seed_for(42, "/a/reverse") != _seed_for(43, "/a/reverse")

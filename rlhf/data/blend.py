@@ -184,8 +184,11 @@ def load_source(src: SourceConfig, split: str, index: int, tokenizer=None, on_ba
 
 
 def _seed_for(seed: int, path: str) -> int:
-    # Per-source seed: adding a source to a blend must not reshuffle the others' splits.
-    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:4], "little")
+    # Per-source seed: adding a source to a blend must not reshuffle the others' splits. Keyed by the
+    # source's name (hub id, or the folder/file name), never its absolute location: a checkout or
+    # data folder elsewhere must get the same split, or the same command gives other numbers.
+    name = path if not looks_local(path) else Path(os.path.expanduser(path)).name
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
 
 
 def split_part(ds: Dataset, fractions: list[float], part: int, seed: int) -> Dataset:
