@@ -231,7 +231,7 @@ def unjudged_note(first: dict, last: dict, kl: float) -> str | None:
         return None
     return (f"the reward model's score on held-out greedy answers went {first['eval/rm_score']:.3f} -> "
             f"{last['eval/rm_score']:.3f} at a KL of {kl:.3f} to the reference; no rule scores these prompts "
-            "(step.reward_fn), so this run cannot tell learning from reward hacking: read the answers in "
+            "(data.rule), so this run cannot tell learning from reward hacking: read the answers in "
             "samples.jsonl")
 
 
@@ -335,8 +335,7 @@ def run(cfg: Config) -> dict:
     stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
-    # The best held-out evaluation so far ({} until the first): its step and metrics, and the output
-    # model's folder while it is not the last actor.
+    # The best held-out evaluation so far ({} until the first): its step and metrics.
     best: dict = {}
     warnings: list[str] = []
     keep_best = step_cfg.keep_best and eval_rule is not None and step_cfg.save_model
@@ -359,7 +358,8 @@ def run(cfg: Config) -> dict:
                 say(f"[ppo] WARNING {warnings[-1]}")
         if not best or metrics["eval/accuracy"] > best["metrics"]["eval/accuracy"]:
             best = {"step": step, "metrics": metrics}
-            if keep_best and step > 0:  # step 0's actor is the start, already on disk as the SFT output
+            # Step 0's actor is the start (on disk as the SFT output); the final one is saved as model/ anyway.
+            if keep_best and 0 < step < ppo_steps:
                 save_hf_model(actor, tokenizer, run_dir / "best_model", merge_lora=cfg.lora.merge_on_save)
         return metrics
 
@@ -459,9 +459,9 @@ def run(cfg: Config) -> dict:
             final["ema_dir"] = str(run_dir / "model_ema")
         if keep_best and best and rank == 0:
             _keep_best(run_dir, best, step, last, final, warnings)
-        final["warnings"] = warnings
 
-    return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved}, logger, save_more)
+    # The list itself goes into the final figures: what _keep_best adds still lands there.
+    return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved, "warnings": warnings}, logger, save_more)
 
 
 def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, warnings: list[str]) -> None:
