@@ -398,6 +398,47 @@ class RewardStepConfig(StepConfig):
 
 
 @dataclass
+class DPOStepConfig(StepConfig):
+    name: str = "dpo"
+    # Loss from rlhf.losses.DPO_LOSSES: sigmoid (DPO; the conservative variant with label_smoothing > 0),
+    # ipo, or robust (needs label_smoothing > 0).
+    loss: str = "sigmoid"
+    # Strength of the pull toward the reference: DPO's beta (IPO's tau). Higher stays closer.
+    beta: float = 0.1
+    # The probability that a pair's label is wrong (conservative and robust DPO); 0: plain DPO.
+    label_smoothing: float = 0.0
+    # Weight of the chosen answers' NLL added to the loss (RPO); 0: off. DPO alone lowers the chosen
+    # answers' likelihood too (only the margin is pushed) and greedy answers can get worse.
+    nll_coef: float = 0.0
+    # The reference's log-probs: precompute (one pass before training, then the reference model is
+    # freed: no second model during training) or online (the reference scores every batch).
+    reference_logprobs: str = "precompute"
+    # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
+    offload_reference: bool = False
+    # Held-out prompts answered greedily and scored by the data's rule at each eval (where a rule knows
+    # them); 0: off.
+    eval_accuracy_prompts: int = 256
+    # Longest greedy answer in that check, in tokens.
+    max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from rlhf.losses import DPO_LOSSES
+
+        _choice("step.loss", self.loss, tuple(DPO_LOSSES))
+        _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
+        _positive("step.beta", self.beta)
+        _positive("step.nll_coef", self.nll_coef, allow_zero=True)
+        _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
+        _positive("step.max_new_tokens", self.max_new_tokens)
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"step.label_smoothing={self.label_smoothing} must be in [0, 0.5): it is the "
+                              "probability that a pair's label is flipped")
+        if self.loss == "robust" and self.label_smoothing == 0:
+            raise ConfigError("step.loss=robust needs step.label_smoothing > 0 (at 0 it is plain DPO: step.loss=sigmoid)")
+
+
+@dataclass
 class PPOStepConfig(StepConfig):
     name: str = "ppo"
     # Prompts each device generates answers for per PPO step (the rollout batch).
@@ -424,8 +465,12 @@ class PPOStepConfig(StepConfig):
     top_k: int = 0
     # KL penalty coefficient against the reference model (initial value when adaptive).
     kl_coef: float = 0.05
-    # Per-token KL estimator: k1, k2 or k3.
-    kl_estimator: str = "k1"
+    # Per-token KL estimator from rlhf.losses.KL_ESTIMATORS (k1, k2, k3); null: the advantage
+    # estimator's paper's choice (rlhf.losses.ESTIMATORS).
+    kl_estimator: str | None = None
+    # Where the KL to the reference enters: reward (a per-token penalty in the reward, InstructGPT) or
+    # loss (a term of the policy loss, GRPO); null: the advantage estimator's paper's choice.
+    kl_in: str | None = None
     # Target KL for the adaptive controller; null keeps kl_coef fixed.
     kl_target: float | None = None
     # Adaptive controller horizon, in rollouts.
@@ -441,13 +486,15 @@ class PPOStepConfig(StepConfig):
     reward_fn: str | None = None
     # Weight of reward_fn's value.
     reward_fn_weight: float = 1.0
-    # Advantage estimator from rlhf.runners.ppo.ADVANTAGES: gae or grpo.
+    # Advantage estimator from rlhf.losses.ESTIMATORS: gae (with a critic), or the critic-free grpo,
+    # rloo, reinforce_pp, reinforce_pp_baseline (no critic is built).
     advantage_estimator: str = "gae"
     # GAE discount.
     gamma: float = 1.0
     # GAE lambda.
     lam: float = 0.95
-    # Whiten advantages over the rollout batch.
+    # Whiten GAE's advantages over the rollout batch (the critic-free estimators normalize by their own
+    # definition: per group, or over the batch for REINFORCE++).
     whiten_advantages: bool = True
     # PPO policy clip range.
     clip_range: float = 0.2
@@ -489,16 +536,31 @@ class PPOStepConfig(StepConfig):
                     "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
                     "top_k", "eval_prompts", "min_new_tokens", "generation_batch_size_per_device"):
             _positive(f"step.{key}", getattr(self, key), allow_zero=True)
-        _choice("step.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        _choice("step.advantage_estimator", self.advantage_estimator, ("gae", "grpo"))
+        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES
+
+        _choice("step.advantage_estimator", self.advantage_estimator, tuple(ESTIMATORS))
+        estimator = ESTIMATORS[self.advantage_estimator]
+        # Derived, not configured: unset, the KL goes where the estimator's paper put it.
+        if self.kl_estimator is None:
+            self.kl_estimator = estimator.kl_estimator
+        if self.kl_in is None:
+            self.kl_in = estimator.kl_in
+        _choice("step.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
+        _choice("step.kl_in", self.kl_in, KL_PLACES)
+        if self.samples_per_prompt < estimator.min_group:
+            raise ConfigError(f"step.advantage_estimator={self.advantage_estimator} compares the answers to one prompt: "
+                              f"it needs step.samples_per_prompt >= {estimator.min_group} "
+                              f"(got {self.samples_per_prompt})")
+        if self.rollout_batch_size_per_device % self.samples_per_prompt:
+            raise ConfigError(f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not a "
+                              f"multiple of step.samples_per_prompt={self.samples_per_prompt}: a prompt's answers "
+                              "must land in one rollout batch")
         if self.reward_fn is not None and self.reward_fn != "rule":
             from rlhf.rewards import resolve
 
             resolve(self.reward_fn, "step.reward_fn")
         if self.reward_model_weight == 0 and self.reward_fn is None:
             raise ConfigError("step.reward_model_weight=0 and no step.reward_fn: PPO would have no reward")
-        if self.advantage_estimator == "grpo" and self.samples_per_prompt < 2:
-            raise ConfigError("step.advantage_estimator=grpo needs step.samples_per_prompt >= 2")
         if self.rollout_batch_size_per_device % (self.micro_batch_size_per_device * self.gradient_accumulation_steps):
             raise ConfigError(
                 f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not divisible by "
@@ -536,6 +598,9 @@ class StepSpec:
 STEPS: dict[str, StepSpec] = {
     "sft": StepSpec(SFTStepConfig, "Step 1 (SFT)", 0, "sequences", (Role("model", True, True),)),
     "reward": StepSpec(RewardStepConfig, "Step 2 (reward model)", 1, "pairs", (Role("reward", True, False),)),
+    # DeepSpeed-Chat's DPO alternative to steps 2-3: the policy learns from the reward part's pairs.
+    "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs",
+                    (Role("actor", True, True), Role("reference", False, True))),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
                     (Role("actor", True, True), Role("reference", False, True), Role("critic", True, False),
                      Role("reward", False, False))),
@@ -544,10 +609,16 @@ STEP_SCHEMAS: dict[str, type[StepConfig]] = {name: spec.schema for name, spec in
 
 
 def step_roles(cfg: Config) -> list[Role]:
-    """The models this run of the step really builds (PPO without a reward-model weight builds none)."""
+    """The models this run of the step really builds: PPO without a reward-model weight builds no reward
+    model, and with a critic-free advantage estimator no critic."""
     roles = list(STEPS[cfg.step.name].roles)
-    if cfg.step.name == "ppo" and cfg.step.reward_model_weight == 0:
-        roles = [r for r in roles if r.name != "reward"]
+    if cfg.step.name == "ppo":
+        from rlhf.losses import ESTIMATORS
+
+        if cfg.step.reward_model_weight == 0:
+            roles = [r for r in roles if r.name != "reward"]
+        if not ESTIMATORS[cfg.step.advantage_estimator].needs_critic:
+            roles = [r for r in roles if r.name != "critic"]
     return roles
 
 
@@ -652,6 +723,7 @@ def _step_delta(step_schema: type) -> type:
 SFTDelta = _step_delta(SFTStepConfig)
 RewardDelta = _step_delta(RewardStepConfig)
 PPODelta = _step_delta(PPOStepConfig)
+DPODelta = _step_delta(DPOStepConfig)
 
 
 @dataclass
@@ -671,6 +743,7 @@ class PipelineConfig:
     sft: SFTDelta = field(default_factory=SFTDelta)
     reward: RewardDelta = field(default_factory=RewardDelta)
     ppo: PPODelta = field(default_factory=PPODelta)
+    dpo: DPODelta = field(default_factory=DPODelta)
 
     def __post_init__(self) -> None:
         for name in self.steps:

@@ -7,6 +7,9 @@ Each function is tested against hand-worked numbers in tests/test_losses.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -66,6 +69,50 @@ def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Ten
     return (chosen > rejected).float().mean()
 
 
+# ----------------------------------------------------------------------------------------- DPO
+def sequence_logprob(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of log p(token | prefix) over the tokens where ``loss_mask`` is 1 (the answer), per row.
+    ``logits[t]`` predicts ``input_ids[t + 1]``; ``loss_mask`` is aligned with ``input_ids``."""
+    logp = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    return (logp * loss_mask[:, 1:].to(logp.dtype)).sum(-1)
+
+
+def dpo_sigmoid(margin: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta * margin); with label smoothing eps > 0 the
+    conservative variant (Mitchell 2023) that trusts each label with probability 1 - eps."""
+    z = beta * margin
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def dpo_ipo(margin: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """IPO (Azar et al. 2023): (margin - 1 / (2 beta))^2, a bounded target instead of a push to infinity."""
+    return (margin - 1 / (2 * beta)).pow(2)
+
+
+def dpo_robust(margin: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al. 2024): unbiased under labels flipped with probability eps."""
+    z = beta * margin
+    return (-(1 - label_smoothing) * F.logsigmoid(z) + label_smoothing * F.logsigmoid(-z)) / (1 - 2 * label_smoothing)
+
+
+# step.loss of the DPO step chooses by name. Each takes the per-pair margin (policy log-ratio of
+# chosen over rejected minus the reference's) and returns the per-pair loss.
+DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+    "sigmoid": dpo_sigmoid, "ipo": dpo_ipo, "robust": dpo_robust}
+
+
+def answer_nll(logprob_sum: torch.Tensor, answer_tokens: torch.Tensor) -> torch.Tensor:
+    """Mean over pairs of the chosen answers' per-token negative log-likelihood: RPO's (Pang et al.
+    2024) term beside DPO, which keeps the chosen answers likely while the margin grows."""
+    return (-logprob_sum / answer_tokens.clamp(min=1)).mean()
+
+
+def dpo_margin(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+               ref_rejected: torch.Tensor) -> torch.Tensor:
+    """(log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l)), per pair."""
+    return (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve of ``scores`` for binary ``labels`` (ties count half); nan if one class."""
     pos, neg = scores[labels.bool()], scores[~labels.bool()]
@@ -83,8 +130,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce=None) -> torch.Tensor:
-    """(x - mean) / std over the masked entries; masked-out entries come back as 0.
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool | None = True, reduce=None) -> torch.Tensor:
+    """(x - mean) / std over the masked entries; masked-out entries come back as 0. ``shift_mean``
+    False adds the mean back after scaling (TRL's convention); None only divides by the std.
 
     ``reduce`` sums a float64 tensor of statistics over the data-parallel ranks (the runner passes
     an all-reduce), so that every rank whitens with the global batch's mean and std, not its own.
@@ -97,9 +145,12 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     count = stats[2].clamp(min=1)
     mean = stats[0] / count
     var = (stats[1] / count - mean * mean).clamp(min=0)
-    out = (xd - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        out = out + mean
+    if shift_mean is None:
+        out = xd * torch.rsqrt(var + 1e-8)
+    else:
+        out = (xd - mean) * torch.rsqrt(var + 1e-8)
+        if not shift_mean:
+            out = out + mean
     return (out * m).to(x.dtype)
 
 
@@ -117,20 +168,30 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(-1)
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from the sampled token's log-probs.
+def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
 
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r with r = p / p_ref (Schulman, "Approximating
-    KL divergence", 2020): k1 is unbiased but can be negative, k3 is unbiased and never negative.
-    """
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.pow(2)
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+
+def kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.pow(2)
+
+
+def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+# Per-token KL estimators of KL(policy || reference) from the sampled token's log ratio log r,
+# r = p / p_ref (Schulman, "Approximating KL divergence", 2020): k1 = log r is unbiased but can be
+# negative; k2 = (log r)^2 / 2 is biased, low variance, and its gradient is the KL's; k3 =
+# (1/r - 1) + log r is unbiased and never negative. step.kl_estimator chooses by name.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) by the estimator named in KL_ESTIMATORS."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](logprobs - ref_logprobs)
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
@@ -174,11 +235,121 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def group_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO-style: each response's score normalized within the group of responses to its prompt,
-    given to every token of the response (Shao et al. 2024). Rows are grouped consecutively."""
-    grouped = scores.view(-1, group_size)
-    normalized = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-6)
-    return normalized.view(-1, 1) * mask.to(scores.dtype)
+    """GRPO (Shao et al. 2024): each response's score minus its prompt group's mean, over the group's
+    std, given to every token of the response. Rows are grouped consecutively. A group whose answers
+    all scored the same gets 0 (nothing to learn from it), whatever the answers' lengths."""
+    grouped = scores.view(-1, group_size).to(torch.float32)
+    centered = grouped - grouped.mean(-1, keepdim=True)
+    normalized = centered / (grouped.std(-1, keepdim=True) + 1e-6)
+    return normalized.view(-1, 1) * mask.to(torch.float32)
+
+
+def leave_one_out_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each response's score minus the mean score of the other responses
+    to the same prompt, s_i - (sum_j s_j - s_i) / (k - 1) = k / (k - 1) * (s_i - mean), on every token."""
+    grouped = scores.view(-1, group_size).to(torch.float32)
+    baseline = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).view(-1, 1) * mask.to(torch.float32)
+
+
+def group_centered(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each score minus its prompt group's mean (REINFORCE++ with a baseline)."""
+    grouped = scores.view(-1, group_size).to(torch.float32)
+    return (grouped - grouped.mean(-1, keepdim=True)).view(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over the response tokens, 0 after the last real token (REINFORCE)."""
+    mask = mask.to(rewards.dtype)
+    rewards = rewards * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        out[:, t] = running
+    return out
+
+
+# ------------------------------------------------------------------------ advantage estimators
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every estimator may read, from one rollout batch (B rollouts, T answer tokens)."""
+
+    score: torch.Tensor  # [B] sequence scores, already normalized and clipped
+    kl: torch.Tensor  # [B, T] per-token KL estimate to the reference, 0 off the answer
+    kl_coef: float  # the KL's weight in the reward; 0 when the KL is in the loss (step.kl_in=loss)
+    mask: torch.Tensor  # [B, T] 1 on answer tokens
+    values: torch.Tensor | None  # [B, T] the critic's values (estimators that need a critic)
+    group_size: int  # answers per prompt, consecutive rows
+    gamma: float
+    lam: float
+    whiten: bool  # GAE only: whiten its advantages over the batch
+    reduce: Callable | None = None  # sums statistics over data-parallel ranks
+
+
+def gae_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's: token rewards (KL on every token, score on the last), GAE against the critic."""
+    rewards = place_rewards(x.score, x.kl, x.mask, x.kl_coef, None)
+    advantages, returns = gae(rewards, x.values, x.mask, x.gamma, x.lam)
+    if x.whiten:
+        advantages = masked_whiten(advantages, x.mask, reduce=x.reduce)
+    return advantages, returns
+
+
+def _sequence_reward(x: AdvantageInputs) -> torch.Tensor:
+    # Outcome methods put the KL into the sequence's reward: score - coef * sum_t KL_t.
+    return x.score - x.kl_coef * (x.kl * x.mask).sum(-1)
+
+
+def grpo_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    # No whitening after: re-centering over the batch would give all-same groups a non-zero advantage.
+    return group_advantages(_sequence_reward(x), x.mask, x.group_size), None
+
+
+def rloo_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    return leave_one_out_advantages(_sequence_reward(x), x.mask, x.group_size), None
+
+
+def reinforce_pp_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ (Hu 2025): token rewards with the KL per token, returns to go, normalized over the
+    global batch (every rank's rollouts) instead of against a critic or a group."""
+    returns = discounted_returns(place_rewards(x.score, x.kl, x.mask, x.kl_coef, None), x.mask, x.gamma)
+    return masked_whiten(returns, x.mask, reduce=x.reduce), None
+
+
+def reinforce_pp_baseline_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ with a baseline: scores centered within their prompt group, returns to go, then
+    divided by the global batch's std. Not re-centered over the batch: the group mean is the baseline,
+    and a token-weighted batch mean would give groups whose answers all scored the same a non-zero
+    advantage that grows with answer length."""
+    score = group_centered(x.score, x.group_size)
+    returns = discounted_returns(place_rewards(score, x.kl, x.mask, x.kl_coef, None), x.mask, x.gamma)
+    return masked_whiten(returns, x.mask, reduce=x.reduce, shift_mean=None), None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and the defaults of the paper that introduced it."""
+
+    fn: Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+    needs_critic: bool
+    min_group: int  # least step.samples_per_prompt it works with
+    kl_in: str  # where the KL to the reference goes by default: reward or loss
+    kl_estimator: str  # and which estimator, by default
+    source: str
+
+
+# step.advantage_estimator chooses by name; config validation lists these keys, so an entry here
+# is a valid choice everywhere.
+ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(gae_estimator, True, 1, "reward", "k1", "Schulman et al. 2016; Ouyang et al. 2022"),
+    "grpo": Estimator(grpo_estimator, False, 2, "loss", "k3", "Shao et al. 2024 (DeepSeekMath)"),
+    "rloo": Estimator(rloo_estimator, False, 2, "reward", "k1", "Ahmadian et al. 2024"),
+    "reinforce_pp": Estimator(reinforce_pp_estimator, False, 1, "reward", "k1", "Hu 2025 (REINFORCE++)"),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_estimator, False, 2, "loss", "k2",
+                                       "Hu 2025 (REINFORCE++-baseline)"),
+}
+KL_PLACES = ("reward", "loss")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

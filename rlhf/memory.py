@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.config import Config, ModelConfig, load_model_file, step_roles
+from rlhf.config import STEPS, Config, ModelConfig, load_model_file, step_roles
 
 GIB = 2**30
 # Headroom for the CUDA context, allocator fragmentation and communication buffers.
@@ -111,8 +111,8 @@ def generating_role(cfg: Config) -> str | None:
     """The role that generates, in a step that does: PPO's rollouts, SFT's greedy accuracy eval."""
     if cfg.step.name == "ppo":
         return "actor"
-    if cfg.step.name == "sft" and cfg.step.eval_accuracy_prompts > 0:
-        return "model"
+    if cfg.step.name in ("sft", "dpo") and cfg.step.eval_accuracy_prompts > 0:
+        return "model" if cfg.step.name == "sft" else "actor"
     return None
 
 
@@ -182,10 +182,12 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
             r.weights = w_bytes * total
         return r
 
-    if step.name != "ppo":  # one trainable model; a reward model's micro batch holds both answers of a pair
-        (role,) = step_roles(cfg)
-        batch = micro if role.lm_head else 2 * micro
-        return [trainable_role(role.name, cfg.model, cfg.lora.rank, batch, step.max_seq_len, role.lm_head)]
+    if step.name != "ppo":  # a micro batch of pairs holds both answers of each pair
+        batch = 2 * micro if STEPS[step.name].rows == "pairs" else micro
+        # DPO's reference is counted even when its log-probs are precomputed: it is loaded for that pass.
+        return [trainable_role(role.name, cfg.model, cfg.lora.rank, batch, step.max_seq_len, role.lm_head)
+                if role.trainable else frozen_role(role.name, cfg.model, getattr(step, f"offload_{role.name}"))
+                for role in step_roles(cfg)]
     critic = _critic(cfg, critic_model)
     seq = step.max_prompt_len + step.max_new_tokens
     out = []

@@ -1,4 +1,4 @@
-"""A chain of steps: SFT -> reward model -> PPO, each step's output feeding the next.
+"""A chain of steps: SFT -> reward model -> PPO (or SFT -> DPO), each step's output feeding the next.
 
 Each step is composed by Hydra as if run alone: ``step=<name>``, the chain's stage files for it
 (``pipeline.stages.<name>``: YAML deltas under conf/stage/), the command line's overrides, and last
@@ -11,6 +11,7 @@ DeepSpeed-Chat's "Finished Step 1 in 0:12:21".
 
     python launch.py pipeline=e2e
     python launch.py pipeline=e2e pipeline.ppo.step.epochs=1 seed=2
+    python launch.py pipeline=dpo
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def step_overrides(cfg: DictConfig, name: str, overrides: list[str], outputs: di
         extra.append(f"+stage=[{','.join(stages)}]")
     if name == "reward" and cfg.pipeline.reward_from_sft and "sft" in outputs:
         extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
-    if name == "ppo":
+    if name in ("ppo", "dpo"):
         extra += [f"actor.path={outputs['sft']}"] if "sft" in outputs else []
+    if name == "ppo":
         extra += [f"critic.path={outputs['reward']}"] if "reward" in outputs else []
     base = [o for o in overrides if not o.lstrip("+~").startswith(_CHAIN_KEYS)]
     # Stage files and outputs first, the command line after: what the user typed wins. The step's

@@ -44,11 +44,16 @@ class Experience:
     mask: torch.Tensor
     start: int
     old_logprobs: torch.Tensor
-    old_values: torch.Tensor
+    # The reference's log-probs of the answer tokens: the KL term of the loss (step.kl_in=loss) needs them.
+    ref_logprobs: torch.Tensor
+    # The critic's values and GAE's returns; None for the estimators that build no critic.
+    old_values: torch.Tensor | None
     advantages: torch.Tensor
-    returns: torch.Tensor
-    # Per-sequence KL to the reference (summed over the answer's tokens).
+    returns: torch.Tensor | None
+    # Per-sequence KL to the reference (summed over the answer's tokens) by step.kl_estimator, and by k1
+    # (the plain sum of log-ratios, comparable across estimators).
     kl: torch.Tensor
+    kl_k1: torch.Tensor
     prompts: list[str]
     answers: list[str]
     scores: Scores

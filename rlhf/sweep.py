@@ -20,6 +20,7 @@ OBJECTIVES: dict[str, tuple[str, str]] = {
     "sft": ("eval/ppl", "min"),
     "reward": ("eval/acc", "max"),
     "ppo": ("eval/accuracy", "max"),
+    "dpo": ("eval/pref_acc", "max"),
 }
 RESULT_FILE = "metrics.json"
 

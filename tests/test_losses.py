@@ -212,3 +212,99 @@ def test_running_moments_over_ranks_see_the_global_batch():
                                                               other.double().sum(), (other.double() ** 2).sum()])))
     both = torch.cat([local, other])
     assert m.mean == pytest.approx(both.mean().item()) and m.var == pytest.approx(both.var(unbiased=False).item())
+
+
+# --------------------------------------------------------------------- critic-free estimators
+def _inputs(score, kl=None, mask=None, kl_coef=0.0, group=2, gamma=1.0, reduce=None):
+    score = t(score)
+    mask = t(mask) if mask is not None else torch.ones(len(score), 2)
+    kl = t(kl) if kl is not None else torch.zeros_like(mask)
+    return losses.AdvantageInputs(score=score, kl=kl, kl_coef=kl_coef, mask=mask, values=None, group_size=group,
+                                  gamma=gamma, lam=0.95, whiten=True, reduce=reduce)
+
+
+# Answers of lengths 3, 1, 2, 3 (a group of 4): length must not change a sequence-level advantage.
+MIXED = [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_whose_answers_all_scored_the_same_gets_zero_advantage(name):
+    # The bug this replaced: whitening GRPO's advantages over the batch gave all-wrong groups +0.19.
+    x = _inputs([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0], mask=MIXED + MIXED, group=4)
+    adv, _ = losses.ESTIMATORS[name].fn(x)
+    assert torch.equal(adv[:4], torch.zeros(4, 3))
+    assert (adv[4:].abs().sum(-1) > 0).all()
+
+
+def test_grpo_and_rloo_by_hand_with_mixed_lengths():
+    x = _inputs([1.0, 0.0, 0.0, 1.0], mask=MIXED, group=4)
+    # GRPO: mean 0.5, sample std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.866025 on every real token.
+    adv, returns = losses.ESTIMATORS["grpo"].fn(x)
+    assert returns is None
+    assert torch.allclose(adv, t([[0.866025] * 3, [-0.866025, 0, 0], [-0.866025] * 2 + [0], [0.866025] * 3]),
+                          atol=1e-5)
+    # RLOO: 1 - (1 + 0 + 0) / 3 = 2/3 for the right answers, 0 - 2/3 for the wrong ones.
+    adv, _ = losses.ESTIMATORS["rloo"].fn(x)
+    assert torch.allclose(adv[:, 0], t([2 / 3, -2 / 3, -2 / 3, 2 / 3]), atol=1e-6)
+    assert adv[1, 1:].abs().sum() == 0, "no advantage past the answer's end"
+
+
+def test_sequence_methods_put_the_kl_into_the_reward_when_asked():
+    # Equal scores; the first answer paid 1.0 of summed KL at coefficient 0.1: rewards 0.9 and 1.0,
+    # mean 0.95, sample std 0.070711 -> -0.707107 and +0.707107.
+    x = _inputs([1.0, 1.0], kl=[[0.5, 0.5], [0.0, 0.0]], kl_coef=0.1)
+    adv, _ = losses.ESTIMATORS["grpo"].fn(x)
+    assert torch.allclose(adv[:, 0], t([-0.707107, 0.707107]), atol=1e-4)
+    # In the loss instead (coefficient 0 here), the same groups carry no signal.
+    assert torch.equal(losses.ESTIMATORS["grpo"].fn(_inputs([1.0, 1.0], kl=[[0.5, 0.5], [0, 0]]))[0], torch.zeros(2, 2))
+
+
+def test_discounted_returns_and_reinforce_pp_by_hand():
+    # G = r_t + gamma G_{t+1}: [1 + 0.5 * 2, 2, 0] (the third token is past the end).
+    assert torch.equal(losses.discounted_returns(t([[1.0, 2.0, 3.0]]), t([[1, 1, 0]]), 0.5), t([[2.0, 2.0, 0.0]]))
+    # REINFORCE++: returns [[1, 1], [0, 0]] (score on the last token, gamma 1), whitened over the
+    # batch's 4 tokens: mean 0.5, std 0.5.
+    adv, _ = losses.ESTIMATORS["reinforce_pp"].fn(_inputs([1.0, 0.0]))
+    assert torch.allclose(adv, t([[1.0, 1.0], [-1.0, -1.0]]), atol=1e-4)
+    # Per-token KL in the reward: the first token's return also pays the second token's KL.
+    x = _inputs([1.0, 1.0], kl=[[1.0, 2.0], [0.0, 0.0]], kl_coef=0.1)
+    returns = losses.discounted_returns(losses.place_rewards(x.score, x.kl, x.mask, 0.1, None), x.mask, 1.0)
+    assert torch.allclose(returns, t([[0.7, 0.8], [1.0, 1.0]]), atol=1e-6)
+    # With the group baseline: scores [1, 0 | 1, 1] -> [0.5, -0.5 | 0, 0] on one token each; whitened:
+    # std sqrt(0.125) = 0.353553 -> [1.414214, -1.414214, 0, 0].
+    adv, _ = losses.ESTIMATORS["reinforce_pp_baseline"].fn(_inputs([1.0, 0.0, 1.0, 1.0], mask=[[1]] * 4))
+    assert torch.allclose(adv[:, 0], t([1.414214, -1.414214, 0.0, 0.0]), atol=1e-4)
+
+
+def test_reinforce_pp_normalizes_over_every_rank():
+    # Two ranks each holding one answer must whiten as one batch of two: the reduce sums both.
+    other = torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64)  # the other rank: sum 0, sum sq 0, 2 tokens
+    adv, _ = losses.ESTIMATORS["reinforce_pp"].fn(_inputs([1.0], reduce=lambda s: s + other))
+    assert torch.allclose(adv, t([[1.0, 1.0]]), atol=1e-4)
+
+
+def test_every_estimator_declares_its_papers_defaults():
+    for name, est in losses.ESTIMATORS.items():
+        assert est.kl_in in losses.KL_PLACES and est.kl_estimator in losses.KL_ESTIMATORS, name
+    assert [n for n, e in losses.ESTIMATORS.items() if e.needs_critic] == ["gae"]
+
+
+# ----------------------------------------------------------------------------------------- DPO
+def test_dpo_losses_by_hand():
+    zero, ten = t([0.0]), t([10.0])
+    # margin 0: every logistic loss is log 2, label smoothing or not.
+    assert losses.dpo_sigmoid(zero, 0.1, 0.0).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert losses.dpo_sigmoid(zero, 0.1, 0.1).item() == pytest.approx(math.log(2), abs=1e-6)
+    # margin 10, beta 0.1: z = 1; -log sigmoid(1) = 0.313262, -log sigmoid(-1) = 1.313262.
+    assert losses.dpo_sigmoid(ten, 0.1, 0.0).item() == pytest.approx(0.313262, abs=1e-5)
+    assert losses.dpo_sigmoid(ten, 0.1, 0.1).item() == pytest.approx(0.9 * 0.313262 + 0.1 * 1.313262, abs=1e-5)
+    assert losses.dpo_robust(ten, 0.1, 0.1).item() == pytest.approx((0.9 * 0.313262 - 0.1 * 1.313262) / 0.8, abs=1e-5)
+    # IPO: (10 - 1 / 0.2)^2 = 25.
+    assert losses.dpo_ipo(ten, 0.1, 0.0).item() == pytest.approx(25.0)
+    assert losses.dpo_margin(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.5])).item() == pytest.approx(1.5)
+
+
+def test_sequence_logprob_sums_the_answer_tokens_only():
+    logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
+    ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])
+    assert losses.sequence_logprob(logits, ids, answer).item() == pytest.approx(-2 * math.log(4), abs=1e-6)

@@ -75,13 +75,64 @@ def test_ppo_with_rule_reward_grpo_ema_and_ptx_text(tmp_path, sft_and_reward):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "policy_loss" in line]
     assert rows[-1]["kl_coef"] != 0.05, "the adaptive controller moves the coefficient"
     assert all(r["ptx_loss"] > 0 for r in rows)
+    # GRPO: no critic anywhere; its KL is a term of the loss (k3 by the paper), not of the reward.
+    assert not (tmp_path / "critic").exists() and "value_loss" not in rows[0]
+    assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor", "reference"}  # no reward model
+    # k3 is never negative; the first update starts at the reference (only its second micro batch moved).
+    assert all(r["kl_loss"] >= 0 for r in rows) and rows[0]["kl_loss"] < 0.01 and rows[-1]["kl_loss"] > 0
+
+
+@pytest.mark.parametrize("estimator,extra", [
+    ("rloo", ["step.samples_per_prompt=4"]),
+    ("reinforce_pp", ["zero=3"]),
+    ("reinforce_pp_baseline", ["step.samples_per_prompt=2", "step.kl_in=reward"]),
+])
+def test_critic_free_estimators_build_no_critic_and_move_the_actor(tmp_path, sft_and_reward, estimator, extra):
+    sft, rm = sft_and_reward
+    final = run(compose([*PPO_FAST, f"step.advantage_estimator={estimator}", *extra, f"actor.path={sft}",
+                         f"critic.path={rm}", f"run_dir={tmp_path}"]))
+    assert final["actor_weight_change"] > 0 and final["reference_weight_change"] == 0.0
+    assert not (tmp_path / "critic").exists()
+    assert "critic" not in json.loads((tmp_path / "ds_config.json").read_text())
+    assert not any("critic" in p.name for p in (tmp_path / "checkpoints").rglob("*"))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "policy_loss" in line]
+    assert "value_loss" not in rows[0] and "kl_loss" not in rows[0], "the KL is in the reward here"
+    assert all(math.isfinite(r["policy_loss"]) and math.isfinite(r["kl_k1"]) for r in rows)
+
+
+def test_critic_free_estimators_leave_the_critic_out_of_the_memory_preflight():
+    from rlhf import memory
+
+    gae = [r.name for r in memory.estimate(to_schema(compose(["step=ppo"])))]
+    rloo = [r.name for r in memory.estimate(to_schema(compose(["step=ppo", "step.advantage_estimator=rloo",
+                                                               "step.samples_per_prompt=4"])))]
+    assert "critic" in gae and "critic" not in rloo and set(gae) - {"critic"} == set(rloo)
+
+
+def test_each_estimator_defaults_to_its_papers_kl_and_the_command_line_wins():
+    def step(*o):
+        return to_schema(compose(["step=ppo", *o])).step
+
+    assert (step().kl_in, step().kl_estimator) == ("reward", "k1")
+    grpo = step("step.advantage_estimator=grpo", "step.samples_per_prompt=4")
+    assert (grpo.kl_in, grpo.kl_estimator) == ("loss", "k3")
+    mine = step("step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.kl_in=reward")
+    assert (mine.kl_in, mine.kl_estimator) == ("reward", "k3")
 
 
 def test_ppo_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="step.rollout_batch_size_per_device=20 is not divisible"):
         to_schema(compose(["step=ppo", "step.rollout_batch_size_per_device=20", "step.micro_batch_size_per_device=8"]))
-    with pytest.raises(ConfigError, match="step.kl_estimator='k9'"):
+    with pytest.raises(ConfigError, match="step.kl_estimator='k9'.*k1, k2, k3"):
         to_schema(compose(["step=ppo", "step.kl_estimator=k9"]))
+    with pytest.raises(ConfigError, match="step.advantage_estimator='ppo'.*gae, grpo, rloo, reinforce_pp"):
+        to_schema(compose(["step=ppo", "step.advantage_estimator=ppo"]))
+    with pytest.raises(ConfigError, match="step.kl_in='advantage'.*reward, loss"):
+        to_schema(compose(["step=ppo", "step.kl_in=advantage"]))
+    with pytest.raises(ConfigError, match="rloo compares the answers to one prompt.*samples_per_prompt >= 2"):
+        to_schema(compose(["step=ppo", "step.advantage_estimator=rloo"]))
+    with pytest.raises(ConfigError, match="not a multiple of step.samples_per_prompt=3"):
+        to_schema(compose(["step=ppo", "step.advantage_estimator=grpo", "step.samples_per_prompt=3"]))
     with pytest.raises(ConfigError, match="no step.reward_fn"):
         to_schema(compose(["step=ppo", "step.reward_model_weight=0"]))
     with pytest.raises(ConfigError, match="needs critic.path or reward.path"):

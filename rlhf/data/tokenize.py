@@ -90,7 +90,7 @@ def pair_dataset(rows: Dataset, tokenizer, max_seq_len: int, report: DataReport,
     and pairs where either side is longer than step.max_seq_len. Each drop is counted by reason
     in data_report.json.
     """
-    chosen_ids, rejected_ids = [], []
+    chosen_ids, rejected_ids, prompt_lens = [], [], []
     for row in rows:
         prompt = row["prompt"]
         if why := _not_text(prompt, "prompt"):
@@ -117,9 +117,10 @@ def pair_dataset(rows: Dataset, tokenizer, max_seq_len: int, report: DataReport,
             continue
         chosen_ids.append(c)
         rejected_ids.append(r)
+        prompt_lens.append(len(p))
     if not chosen_ids:
         raise BadRowError(f"no usable {split} pairs left after dropping bad ones: {report.dropped.get(split)}")
-    return Dataset.from_dict({"chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+    return Dataset.from_dict({"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": prompt_lens})
 
 
 class PairCollator:
@@ -137,4 +138,11 @@ class PairCollator:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+        out = {"input_ids": ids, "attention_mask": mask}
+        if "prompt_len" in batch[0]:  # the answer tokens (with eos) of each row: DPO's log-probs sum over them
+            starts = torch.tensor([b["prompt_len"] for b in batch] * 2).unsqueeze(1)
+            out["answer_mask"] = mask * (torch.arange(width).unsqueeze(0) >= starts)
+        for key in ("ref_chosen", "ref_rejected"):  # precomputed reference log-probs, where present
+            if key in batch[0]:
+                out[key] = torch.tensor([b[key] for b in batch], dtype=torch.float32)
+        return out

@@ -1,9 +1,10 @@
 """Registry of step runners: ``step.name`` -> ``run(cfg) -> final metrics``."""
 
-from rlhf.runners import ppo, reward, sft
+from rlhf.runners import dpo, ppo, reward, sft
 
 RUNNERS = {
     "sft": sft.run,
     "reward": reward.run,
     "ppo": ppo.run,
+    "dpo": dpo.run,
 }

@@ -3,11 +3,13 @@
 Four roles through the one engine factory: the actor (trainable, from the SFT output) and its
 frozen reference copy, the critic (trainable, from the reward model) and the frozen reward model.
 Each PPO step samples answers to a batch of left-padded prompts, scores them (reward model and/or
-a reward function such as the shipped task's rule), adds a per-token KL penalty, computes
-advantages (GAE or group-normalized), and runs ppo_epochs of clipped policy and value updates.
-The RL math is in rlhf/losses.py.
+a reward function such as the shipped task's rule), turns the scores into advantages by
+step.advantage_estimator -- GAE against the critic, or a critic-free GRPO, RLOO, REINFORCE++ (then
+no critic is built) -- with the KL to the reference in the reward or in the loss (step.kl_in), and
+runs ppo_epochs of clipped policy (and value) updates. The RL math is in rlhf/losses.py.
 
     python launch.py step=ppo actor.path=<sft out>/model critic.path=<reward out>/model
+    python launch.py step=ppo step.advantage_estimator=rloo step.samples_per_prompt=4 actor.path=... critic.path=...
     python launch.py step=ppo step.reward_fn=rule step.reward_model_weight=0 actor.path=<sft out>/model
 """
 
@@ -54,23 +56,6 @@ from rlhf.rollout import (
 from rlhf.runners.common import count_params, finish, open_logger, say
 
 
-# ----------------------------------------------------------------------------- advantages
-def _gae(rewards, values, mask, scores, step_cfg):
-    return losses.gae(rewards, values, mask, step_cfg.gamma, step_cfg.lam)
-
-
-def _grpo(rewards, values, mask, scores, step_cfg):
-    # The KL penalty stays in the reward the critic learns; the policy's advantage is the
-    # sequence score normalized within its prompt's group (values unused).
-    advantages = losses.group_advantages(scores, mask, step_cfg.samples_per_prompt)
-    returns = losses.gae(rewards, values, mask, step_cfg.gamma, step_cfg.lam)[1]
-    return advantages, returns
-
-
-# Advantage estimators by step.advantage_estimator: add one function here to add an estimator.
-ADVANTAGES = {"gae": _gae, "grpo": _grpo}
-
-
 # ------------------------------------------------------------------------------- rollouts
 @torch.no_grad()
 def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> Scores:
@@ -90,6 +75,8 @@ def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> S
 @torch.no_grad()
 def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
                     gather_whole: bool = False) -> Experience:
+    """Generate the step's rollouts, score them (log-probs, reference, critic, reward) and turn the
+    scores into advantages with step.advantage_estimator (rlhf.losses.ESTIMATORS)."""
     t0 = time.perf_counter()
     chunk = step_cfg.generation_batch_size_per_device or batch["input_ids"].shape[0]
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
@@ -114,9 +101,11 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     actor.train()
     ref_logits = ref(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
     ref_logprobs = losses.token_logprobs(ref_logits, response, step_cfg.temperature)
-    critic.eval()
-    old_values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
-    critic.train()
+    old_values = None
+    if critic is not None:
+        critic.eval()
+        old_values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
+        critic.train()
 
     answers = answer_texts(tokenizer, response, rmask)
     scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg)
@@ -124,23 +113,30 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     if step_cfg.reward_normalize:
         moments.update(score, reduce=sum_over_ranks)  # the global batch's moments: ranks normalize alike
         score = moments.normalize(score)
+    if step_cfg.reward_clip:
+        score = score.clamp(-step_cfg.reward_clip, step_cfg.reward_clip)
     rmask_f = rmask.float()
     kl = losses.kl_penalty(old_logprobs, ref_logprobs, step_cfg.kl_estimator) * rmask_f
-    rewards = losses.place_rewards(score, kl, rmask_f, kl_ctl.value, step_cfg.reward_clip or None)
-    advantages, returns = ADVANTAGES[step_cfg.advantage_estimator](rewards, old_values, rmask_f, score, step_cfg)
-    if step_cfg.whiten_advantages:
-        advantages = losses.masked_whiten(advantages, rmask_f, reduce=sum_over_ranks)
+    inputs = losses.AdvantageInputs(
+        score=score, kl=kl, kl_coef=kl_ctl.value if step_cfg.kl_in == "reward" else 0.0, mask=rmask_f,
+        values=old_values, group_size=step_cfg.samples_per_prompt, gamma=step_cfg.gamma, lam=step_cfg.lam,
+        whiten=step_cfg.whiten_advantages, reduce=sum_over_ranks)
+    advantages, returns = losses.ESTIMATORS[step_cfg.advantage_estimator].fn(inputs)
     return Experience(seq=seq, attn=attn, pos=pos, response=response, mask=rmask_f, start=start,
-                      old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns,
-                      kl=kl.sum(-1), prompts=batch["prompts"], answers=answers, scores=scores,
-                      generate_s=t_generated - t0)
+                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=old_values,
+                      advantages=advantages, returns=returns, kl=kl.sum(-1),
+                      kl_k1=((old_logprobs - ref_logprobs) * rmask_f).sum(-1), prompts=batch["prompts"],
+                      answers=answers, scores=scores, generate_s=t_generated - t0)
 
 
 # --------------------------------------------------------------------------------- update
-def ppo_update(actor, critic, exp: Experience, step_cfg, generator: torch.Generator, ptx_iter) -> dict[str, float]:
+def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generator: torch.Generator,
+               ptx_iter) -> dict[str, float]:
+    """step_cfg.ppo_epochs passes of clipped policy updates over the rollout batch in shuffled micro
+    batches, each followed by the critic's clipped value update (when there is a critic)."""
     n = exp.seq.shape[0]
     micro = step_cfg.micro_batch_size_per_device
-    sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ptx_loss": 0.0}
+    sums = dict.fromkeys(("policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
     count = 0
     start = exp.start
     for _ in range(step_cfg.ppo_epochs):
@@ -153,8 +149,17 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, generator: torch.Genera
             logprobs = losses.token_logprobs(logits, exp.response[idx], step_cfg.temperature)
             pg_loss, clip_frac = losses.policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask,
                                                     step_cfg.clip_range)
-            entropy = losses.masked_mean(losses.entropy_from_logits(logits, step_cfg.temperature), mask)
-            loss = pg_loss - step_cfg.entropy_coef * entropy
+            loss = pg_loss
+            if step_cfg.kl_in == "loss":  # GRPO's place for the KL: its gradient pulls toward the reference
+                kl_loss = losses.masked_mean(
+                    losses.kl_penalty(logprobs, exp.ref_logprobs[idx], step_cfg.kl_estimator), mask)
+                loss = loss + kl_coef * kl_loss
+                sums["kl_loss"] += kl_loss.item()
+            # The entropy over the vocabulary costs a full softmax; it needs a graph only as a bonus.
+            with torch.set_grad_enabled(step_cfg.entropy_coef > 0):
+                entropy = losses.masked_mean(losses.entropy_from_logits(logits, step_cfg.temperature), mask)
+            if step_cfg.entropy_coef > 0:
+                loss = loss - step_cfg.entropy_coef * entropy
             if ptx_iter is not None:
                 ptx = next(ptx_iter)
                 ptx_loss = actor(**{k: v.to(actor.device) for k, v in ptx.items()}).loss
@@ -163,24 +168,31 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, generator: torch.Genera
             actor.backward(loss)
             actor.step()
 
-            values = critic(input_ids=exp.seq[idx], attention_mask=exp.attn[idx])[:, start:-1]
-            v_loss = losses.value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
-                                       step_cfg.value_clip_range)
-            critic.backward(step_cfg.vf_coef * v_loss)
-            critic.step()
+            if critic is not None:
+                values = critic(input_ids=exp.seq[idx], attention_mask=exp.attn[idx])[:, start:-1]
+                v_loss = losses.value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
+                                           step_cfg.value_clip_range)
+                critic.backward(step_cfg.vf_coef * v_loss)
+                critic.step()
+                sums["value_loss"] += v_loss.item()
 
             sums["policy_loss"] += pg_loss.item()
-            sums["value_loss"] += v_loss.item()
             sums["entropy"] += entropy.item()
             sums["clip_frac"] += clip_frac.item()
             count += 1
-    return {k: v / count for k, v in sums.items()}
+    out = {k: v / count for k, v in sums.items()}
+    if critic is None:
+        del out["value_loss"]
+    if step_cfg.kl_in != "loss":
+        del out["kl_loss"]
+    return out
 
 
 def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
     """Statistics of the global rollout batch (every rank's rows), identical on every rank: the KL
     controller acts on them, so no rank may decide from its own share."""
-    rows = {"score": exp.scores.total.float(), "kl": exp.kl.float().cpu(), "len": exp.mask.sum(-1).float().cpu()}
+    rows = {"score": exp.scores.total.float(), "kl": exp.kl.float().cpu(), "kl_k1": exp.kl_k1.float().cpu(),
+            "len": exp.mask.sum(-1).float().cpu()}
     if exp.scores.rm is not None:
         rows["rm_score"] = exp.scores.rm.float()
     # Truth on the rollouts themselves, where the rule knows the prompts: the accuracy PPO
@@ -196,7 +208,7 @@ def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
     stacked = cat_over_ranks(torch.stack([rows[k] for k in keys], dim=1))
     rows = {k: stacked[:, i] for i, k in enumerate(keys)}
     out = {"reward/score_mean": rows["score"].mean().item(), "reward/score_std": rows["score"].std().item(),
-           "kl": rows["kl"].mean().item(), "answer_len": rows["len"].mean().item()}
+           "kl": rows["kl"].mean().item(), "kl_k1": rows["kl_k1"].mean().item(), "answer_len": rows["len"].mean().item()}
     if "rm_score" in rows:
         out["reward/rm_score"] = rows["rm_score"].mean().item()
     if "truth" in rows:
@@ -244,7 +256,9 @@ def run(cfg: Config) -> dict:
     reward_path = cfg.reward.path or cfg.critic.path
     if problems := ppo_role_problems(cfg):
         raise ConfigError("; ".join(problems))
-    critic_path = cfg.critic.path or reward_path or actor_path
+    # Critic-free estimators (GRPO, RLOO, REINFORCE++) build no critic: no model, optimizer or checkpoint.
+    with_critic = losses.ESTIMATORS[step_cfg.advantage_estimator].needs_critic
+    critic_path = (cfg.critic.path or reward_path or actor_path) if with_critic else ""
     tokenizer = models.load_tokenizer(actor_path, cfg.model.trust_remote_code)
     for role, path in (("critic", critic_path), ("reward", reward_path if step_cfg.reward_model_weight > 0 else "")):
         if path and path != actor_path:
@@ -305,30 +319,34 @@ def run(cfg: Config) -> dict:
     with engine_factory.loading_context(cfg):
         actor_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
         ref_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
-        critic_model = models.load_reward_model(critic_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+        critic_model = (models.load_reward_model(critic_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+                        if with_critic else None)
         reward_model = (models.load_reward_model(reward_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
                         if step_cfg.reward_model_weight > 0 else None)
     total_updates = ppo_steps * updates_per_step  # updates_per_step already counts optimizer steps
     actor, actor_ds = engine_factory.build_train_engine(actor_model, cfg, max(total_updates, 1))
     ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
-    critic, critic_ds = engine_factory.build_train_engine(critic_model, cfg, max(total_updates, 1),
-                                                          lr=step_cfg.critic_lr, use_lora=False)
+    critic, critic_ds = (engine_factory.build_train_engine(critic_model, cfg, max(total_updates, 1),
+                                                           lr=step_cfg.critic_lr, use_lora=False)
+                         if with_critic else (None, None))
     reward, reward_ds = (engine_factory.build_frozen_engine(reward_model, cfg, offload=step_cfg.offload_reward)
                          if reward_model is not None else (None, None))
-    n_actor, n_critic = count_params(actor.module), count_params(critic.module)
+    n_actor, n_critic = count_params(actor.module), count_params(critic.module) if critic else 0
+    n_reward = count_params(reward.module) if reward else 0
     ema = _ema_init(actor, step_cfg.ema_decay, cfg.lora.rank)
     gather_whole = memory.generation_gathers_whole_model(cfg)  # the pre-flight's choice, for ZeRO-3 generation
     kl_ctl = losses.AdaptiveKLController(step_cfg.kl_coef, step_cfg.kl_target, step_cfg.kl_horizon)
     moments = losses.RunningMoments()
     generator = torch.Generator().manual_seed(cfg.seed)
     if rank == 0:
-        (run_dir / "ds_config.json").write_text(json.dumps(
-            {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds, "reward": reward_ds}, indent=2))
+        roles = {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds, "reward": reward_ds}
+        (run_dir / "ds_config.json").write_text(json.dumps({k: v for k, v in roles.items() if v}, indent=2))
         say(f"[ppo] {len(train_prompts)} prompts, {ppo_steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
-              f"rollouts per device, {updates_per_step} micro-batch updates each; actor {n_actor / 1e6:.2f}M, critic "
-              f"{n_critic / 1e6:.2f}M parameters; reward: "
+              f"rollouts per device, {updates_per_step} micro-batch updates each; {step_cfg.advantage_estimator} "
+              f"advantages, KL ({step_cfg.kl_estimator}) in the {step_cfg.kl_in}; actor {n_actor / 1e6:.2f}M, critic "
+              f"{f'{n_critic / 1e6:.2f}M' if critic else 'none'} parameters; reward: "
               f"{'reward model' if reward else ''}{' + ' if reward and rule_fn else ''}{step_cfg.reward_fn or ''}")
-    ckpt = Checkpointer(run_dir, {"actor": actor, "critic": critic}, cfg.checkpoint.every_steps,
+    ckpt = Checkpointer(run_dir, {"actor": actor, **({"critic": critic} if critic else {})}, cfg.checkpoint.every_steps,
                         cfg.checkpoint.keep_last)
     resumed = ckpt.load() if cfg.resume == "auto" else None
     logger = open_logger(cfg, rank, fresh=resumed is None)
@@ -403,20 +421,21 @@ def run(cfg: Config) -> dict:
             exp = make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
                                   gather_whole)
             t1 = time.perf_counter()
-            train = ppo_update(actor, critic, exp, step_cfg, generator, ptx_iter)
+            train = ppo_update(actor, critic, exp, step_cfg, kl_ctl.value, generator, ptx_iter)
             t2 = time.perf_counter()
             _ema_update(ema, actor, step_cfg.ema_decay)
             step += 1
             metrics = {**rollout_metrics(exp, eval_rule), **train, "kl_coef": kl_ctl.value}
             last_kl = metrics["kl"]
             kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
-            total_loss = train["policy_loss"] + train["value_loss"]
+            total_loss = train["policy_loss"] + train.get("value_loss", 0.0) + train.get("kl_loss", 0.0)
             ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
             t3 = time.perf_counter()
             n_seq, seq_len = exp.seq.shape
             gen_tokens = exp.mask.sum().item()
-            # Forward FLOPs 2N per token: generation, 4 scoring passes, then 3x (fwd+bwd) per update.
-            flops = 2 * n_actor * gen_tokens + 2 * (2 * n_actor + 2 * n_critic) * n_seq * seq_len \
+            # Forward FLOPs 2N per token: generation, the scoring passes (actor, reference, critic,
+            # reward model), then 3x (fwd+bwd) per update of the actor and the critic (0 without one).
+            flops = 2 * n_actor * gen_tokens + 2 * (2 * n_actor + n_critic + n_reward) * n_seq * seq_len \
                 + step_cfg.ppo_epochs * 6 * (n_actor + n_critic) * n_seq * seq_len
             metrics.update({"generate_s": exp.generate_s, "experience_s": t1 - t0, "train_s": t2 - t1,
                             "other_s": t3 - t2, "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0),
@@ -426,7 +445,7 @@ def run(cfg: Config) -> dict:
             bar.update(1)
             bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
             if rank == 0 and step % step_cfg.log_every_steps == 0:
-                keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "step_s")
+                keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "kl_loss", "step_s")
                 say(f"[ppo] step {step}/{ppo_steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
             if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
                 last, last_eval_step = full_eval(step), step
@@ -453,7 +472,8 @@ def run(cfg: Config) -> dict:
             say(f"[ppo] NOTE {note}")
 
     def save_more(final: dict) -> None:
-        save_hf_model(critic, tokenizer, run_dir / "critic")
+        if critic is not None:
+            save_hf_model(critic, tokenizer, run_dir / "critic")
         if ema is not None and rank == 0:
             _ema_save(ema, actor, tokenizer, run_dir / "model_ema")
             final["ema_dir"] = str(run_dir / "model_ema")

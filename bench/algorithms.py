@@ -1,0 +1,156 @@
+"""Which alignment algorithm learns the shipped task, side by side: PPO (GAE with a critic), GRPO,
+RLOO, REINFORCE++ -- each with the reward model and with the rule as the reward -- and DPO, all from
+the same SFT start (and the same reward model), with the same budget of PPO steps and rollouts.
+
+Each method is one `python launch.py` run of the chain's own PPO stage (conf/stage/e2e/ppo.yaml) with
+step.advantage_estimator (and step.samples_per_prompt=4 for the group methods, so every method sees
+128 rollouts per step) or of step=dpo on the reward part's pairs. Each output is then scored by the
+rule on the held-out prompts no step ever evaluated on (as bench/rlhf_quality.py does). Prints a
+markdown table (test accuracy before/after, gain, wall time, final KL to the reference, critic or
+not), writes it with a PNG and a JSON file into --out, and prints one JSON line. Targets (the issue):
+DPO >= SFT + 20 points; every RL estimator >= SFT + 20 with the reward model, >= SFT + 25 with the rule.
+
+    python bench/algorithms.py                                   # builds its SFT start and reward model
+    python bench/algorithms.py --chain runs/e2e/tiny-llama_synthetic-sort_seed42 --steps 375 --jobs 2
+    python bench/algorithms.py --methods grpo rloo --rewards rule
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Each RL method: its overrides of the PPO step. Group methods sample 4 answers per prompt, so the
+# rollouts per step (128) and hence the compute budget stay those of PPO.
+METHODS = {
+    "ppo": ["step.advantage_estimator=gae"],
+    "grpo": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4"],
+    "rloo": ["step.advantage_estimator=rloo", "step.samples_per_prompt=4"],
+    "reinforce_pp": ["step.advantage_estimator=reinforce_pp"],
+    "reinforce_pp_baseline": ["step.advantage_estimator=reinforce_pp_baseline", "step.samples_per_prompt=4"],
+}
+REWARDS = {"rm": [], "rule": ["step.reward_fn=rule", "step.reward_model_weight=0"]}
+TARGETS = {"dpo": 20.0, "rm": 20.0, "rule": 25.0}
+
+
+def launch(args: list[str], log: Path) -> float:
+    """One `python launch.py` run; its wall time. Raises with the log's tail if it fails."""
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT, stdout=f,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode:
+        raise RuntimeError(f"launch.py {' '.join(args)} failed:\n" + log.read_text()[-3000:])
+    return time.perf_counter() - start
+
+
+def start_models(args) -> tuple[Path, Path]:
+    """The SFT start and the reward model: a chain's (--chain), or built with the e2e chain's stages."""
+    chain = args.chain or args.out / "chain"
+    if not args.chain:
+        launch(["pipeline=e2e", "pipeline.steps=[sft,reward]", f"seed={args.seed}", "logging.progress_bar=false",
+                f"run_dir={chain}"], args.out / "chain.log")
+    return chain / "sft" / "model", chain / "reward" / "model"
+
+
+def run_one(name: str, reward: str, sft: Path, rm: Path, args) -> dict:
+    run_dir = args.out / f"{name}_{reward}"
+    common = [f"seed={args.seed}", "logging.progress_bar=false", f"run_dir={run_dir}", f"actor.path={sft}"]
+    if name == "dpo":
+        overrides = ["step=dpo", "+stage=[e2e/dpo]", *common, *args.dpo]
+    else:
+        overrides = ["step=ppo", "+stage=[e2e/ppo]", *common, f"critic.path={rm}", f"step.max_steps={args.steps}",
+                     *METHODS[name], *REWARDS[reward]]
+    wall = launch(overrides, args.out / f"{name}_{reward}.log")
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    kl = [r["kl_k1"] for r in rows if "kl_k1" in r]
+    return {"method": name, "reward": reward, "wall_s": round(wall, 1), "model": str(run_dir / "model"),
+            "final_kl": round(sum(kl[-10:]) / len(kl[-10:]), 3) if kl else None,
+            "critic": (run_dir / "critic").exists(), "steps": final["step"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_algorithms", help="runs, table and plot")
+    ap.add_argument("--chain", type=Path, help="a finished chain folder whose sft/ and reward/ outputs to start from")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=375, help="PPO steps of 128 rollouts for every RL method")
+    ap.add_argument("--methods", nargs="+", default=["ppo", "grpo", "rloo", "reinforce_pp", "dpo"],
+                    choices=[*METHODS, "dpo"])
+    ap.add_argument("--rewards", nargs="+", default=["rm", "rule"], choices=list(REWARDS))
+    ap.add_argument("--dpo", nargs="*", default=[], help="extra overrides of the DPO run")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (wall times then share the CPU)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from bench.rlhf_quality import test_accuracy, test_prompts
+    from rlhf.config import load_run_config
+
+    sft, rm = start_models(args)
+    todo = [(m, r) for m in args.methods if m != "dpo" for r in args.rewards]
+    todo += [("dpo", "pairs")] if "dpo" in args.methods else []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda job: run_one(*job, sft, rm, args), todo))
+
+    cfg = load_run_config(Path(results[0]["model"]).parent / "config.yaml")
+    prompts = test_prompts(cfg)
+    max_new = cfg.step.max_new_tokens
+    before = test_accuracy(sft, prompts, max_new)
+    for r in results:
+        r["test_after"] = round(test_accuracy(Path(r["model"]), prompts, max_new), 4)
+        r["gain_points"] = round(100 * (r["test_after"] - before), 1)
+        target = TARGETS["dpo" if r["method"] == "dpo" else r["reward"]]
+        r["target_met"] = r["gain_points"] >= target
+
+    head = ("method", "reward", "test_sft", "test_after", "gain_points", "target_met", "final_kl", "critic",
+            "steps", "wall_s")
+    lines = [f"Held-out greedy accuracy by the rule on {len(prompts)} prompts no step evaluated on; SFT start "
+             f"{before:.3f}; RL methods {args.steps} steps of 128 rollouts, seed {args.seed}, jobs {args.jobs}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str({**r, "test_sft": round(before, 4)}.get(c, "-")) for c in head) + " |"
+              for r in results]
+    table = "\n".join(lines)
+    print(table)
+    (args.out / "algorithms.md").write_text(table + "\n")
+    (args.out / "algorithms.json").write_text(json.dumps({"test_sft": before, "results": results}, indent=2))
+    plot(results, before, args.out / "algorithms.png")
+    print(json.dumps({"test_sft": round(before, 4), "min_gain_rm": min((r["gain_points"] for r in results
+                                                                       if r["reward"] == "rm"), default=None),
+                      "min_gain_rule": min((r["gain_points"] for r in results if r["reward"] == "rule"), default=None),
+                      "all_targets_met": all(r["target_met"] for r in results),
+                      "table": str(args.out / "algorithms.md"), "plot": str(args.out / "algorithms.png")}))
+
+
+def plot(results: list[dict], before: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the plot needs the bench extra: pip install -e '.[bench]'
+        print(f"no matplotlib: {path} not written (pip install -e '.[bench]')")
+        return
+    colors = {"rm": "tab:blue", "rule": "tab:green", "pairs": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['method']}\n{r['reward']}" for r in results]
+    ax.bar(labels, [100 * r["test_after"] for r in results], color=[colors[r["reward"]] for r in results])
+    ax.axhline(100 * before, color="black", linestyle="--", label=f"SFT start {100 * before:.1f}%")
+    ax.set_ylabel("held-out accuracy by the rule (%)")
+    ax.set_title("Alignment methods on the shipped sort task (same SFT start, same rollout budget)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

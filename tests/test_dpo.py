@@ -1,0 +1,99 @@
+"""DPO through real DeepSpeed engines: it learns the preferences, saves a plain causal LM, computes
+the same thing with the reference precomputed or online, resumes exactly, runs under ZeRO-3 with
+the reference offloaded, and the SFT -> DPO chain runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.config import ConfigError, to_schema
+from rlhf.launch import run
+from tests.conftest import compose
+from tests.test_resume import _kill_after, _same_result, _straight
+
+# 1280 pairs: the precomputed reference scores every pair once, whatever max_steps uses.
+QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64", "data.max_train_samples=1280"]
+DPO_FAST = ["step=dpo", "step.max_steps=40", "step.eval_every_steps=0", "step.eval_accuracy_prompts=32",
+            "optim.lr=1e-3", "step.log_every_steps=5", *QUIET]
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dpo-sft")
+    run(compose(["step=sft", "step.max_steps=30", *QUIET, f"run_dir={base}"]))
+    return base / "model"
+
+
+def test_dpo_learns_the_preferences_and_saves_a_causal_lm(tmp_path, sft_model):
+    final = run(compose([*DPO_FAST, f"actor.path={sft_model}", f"run_dir={tmp_path}"]))
+    # Policy and reference start equal: every implicit reward 0, loss log 2, nothing preferred yet.
+    assert final["eval/loss_before"] == pytest.approx(0.693147, abs=1e-4)
+    assert final["eval/margin_before"] == pytest.approx(0.0, abs=1e-5)
+    assert final["eval/pref_acc_before"] == 0.5  # all ties at the start
+    assert final["eval/pref_acc"] >= 0.65 and final["eval/loss"] < 0.6
+    assert final["eval/margin"] > 0.05
+    assert "eval/accuracy" in final and "eval/accuracy_before" in final  # the rule's greedy check ran
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"pref_acc"' in line]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    # A plain causal LM, changed from its start; the reference never trained (no engine for it kept).
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor", "reference"}
+
+
+def test_precomputed_and_online_reference_give_the_same_run(tmp_path, sft_model):
+    args = [*DPO_FAST, "step.max_steps=5", "step.log_every_steps=1", "step.eval_accuracy_prompts=0",
+            f"actor.path={sft_model}"]
+    pre = run(compose([*args, f"run_dir={tmp_path / 'pre'}"]))
+    online = run(compose([*args, "step.reference_logprobs=online", f"run_dir={tmp_path / 'online'}"]))
+    assert online["eval/loss"] == pytest.approx(pre["eval/loss"], abs=1e-4)
+    losses = [[json.loads(x)["loss"] for x in open(tmp_path / d / "metrics.jsonl") if '"pref_acc"' in x]
+              for d in ("pre", "online")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-4)
+
+
+@pytest.mark.parametrize("loss,extra", [("ipo", []), ("robust", ["step.label_smoothing=0.1"])])
+def test_ipo_and_robust_dpo_learn_under_zero3_with_the_reference_offloaded(tmp_path, sft_model, loss, extra):
+    final = run(compose([*DPO_FAST, "zero=3", "step.reference_logprobs=online", "step.offload_reference=true",
+                         f"step.loss={loss}", *extra, f"actor.path={sft_model}", f"run_dir={tmp_path}"]))
+    assert final["eval/pref_acc"] > final["eval/pref_acc_before"] + 0.2
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert ds["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_dpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
+    args = ["step=dpo", f"actor.path={sft_model}", "step.max_steps=30", "data.max_train_samples=1280", "step.log_every_steps=1",
+            "checkpoint.every_steps=5", "step.eval_every_steps=0", "step.eval_accuracy_prompts=0"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "loss", 12)
+    _straight(args, tmp_path / "b")
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+
+
+def test_dpo_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="step.loss='hinge'.*sigmoid, ipo, robust"):
+        to_schema(compose(["step=dpo", "step.loss=hinge"]))
+    with pytest.raises(ConfigError, match="step.label_smoothing=0.5"):
+        to_schema(compose(["step=dpo", "step.label_smoothing=0.5"]))
+    with pytest.raises(ConfigError, match="step.loss=robust needs step.label_smoothing"):
+        to_schema(compose(["step=dpo", "step.loss=robust"]))
+    with pytest.raises(ConfigError, match="step.reference_logprobs='sometimes'"):
+        to_schema(compose(["step=dpo", "step.reference_logprobs=sometimes"]))
+
+
+def test_sft_then_dpo_chain(tmp_path):
+    overrides = ["pipeline=dpo", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
+                 "pipeline.dpo.step.max_steps=10", "pipeline.dpo.step.eval_accuracy_prompts=16"]
+    result = run(compose(overrides), overrides=overrides)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert list(manifest["steps"]) == ["sft", "dpo"]
+    assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["dpo"]["overrides"]
+    assert result["dpo/eval/pref_acc"] > result["dpo/eval/pref_acc_before"]
+    assert (tmp_path / "dpo" / "model" / "config.json").exists()
