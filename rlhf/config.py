@@ -386,8 +386,8 @@ class RewardStepConfig(StepConfig):
     # Coefficient of mean(chosen^2 + rejected^2): keeps scores near zero (unregularized they drift to
     # about +10/-5, and PPO's reward clipping at +-5 then erases the signal); 0 turns it off.
     score_regularizer: float = 0.0
-    # Rule check on the shipped synthetic task: answers scored per eval prompt (the right one and
-    # near misses); 0 turns it off. Skipped for data the rule does not know.
+    # Rule check: on the shipped synthetic task, answers scored per eval prompt (the right one and
+    # near misses); with a user's data.rule, the eval pairs as that rule ranks them; 0 turns it off.
     rule_check_answers: int = 6
 
     def __post_init__(self) -> None:

@@ -237,13 +237,17 @@ def test_the_chain_runs_on_a_users_own_folder_with_or_without_their_rule(tmp_pat
     rollout = [json.loads(line) for line in open(tmp_path / "run" / "ppo" / "metrics.jsonl") if '"kl"' in line]
     assert set(result["outputs"]) == {"sft", "reward", "ppo"} and sft["step"] == 5
     assert (tmp_path / "run" / "ppo" / "model" / "config.json").exists()
+    reward = json.loads((tmp_path / "run" / "reward" / "final_metrics.json").read_text())
     if with_rule:
         assert "is ignored" not in out and "cannot tell" not in out
         assert 0.0 <= sft["eval/accuracy"] <= 1.0 and 0.0 <= ppo["eval/accuracy"] <= 1.0
+        # The reward model is checked against the user's rule on the eval pairs (every pair is ranked).
+        assert reward["eval/rule_pairs"] == reward["eval/rule_pairs_before"] >= 32
+        assert 0.0 <= reward["eval/rule_agreement"] <= 1.0
         assert "rollout/rule_accuracy" in rollout[0] and "best_step" in ppo
     else:
         assert "step.stop_at_accuracy=0.3 is ignored and SFT runs its full length" in out
-        assert "eval/accuracy" not in sft and "eval/accuracy" not in ppo
+        assert "eval/accuracy" not in sft and "eval/accuracy" not in ppo and "eval/rule_agreement" not in reward
         assert "this run cannot tell learning from reward hacking" in ppo["warnings"][0]
 
 

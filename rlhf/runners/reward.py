@@ -4,8 +4,8 @@ A causal-LM backbone (any checkpoint, an SFT output too) with a scalar head, tra
 pairwise loss -log sigmoid(chosen - rejected) on the reward part of the blend, scored at the last
 real token (or DeepSpeed-Chat's mean over diverging tokens), optionally with a chosen^2 +
 rejected^2 regularizer. Evaluates accuracy, mean chosen / rejected scores and margin before
-training, every ``step.eval_every_steps`` and after each epoch; on the shipped synthetic task also
-how often the model agrees with the rule. Saves a folder that
+training, every ``step.eval_every_steps`` and after each epoch; and how often the model agrees
+with the data's rule (the shipped tasks' near misses, or a user's ``data.rule`` on the eval pairs). Saves a folder that
 ``AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)`` loads.
 
     python launch.py step=reward model=tiny-opt
@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf import losses, models
+from rlhf import losses, models, rewards
 from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.data import synthetic
+from rlhf.data.blend import DataReport, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.distributed import mean_over_ranks
 from rlhf.runners import common
@@ -58,17 +59,28 @@ def evaluate(engine, loader, score_at: str) -> dict[str, float]:
             "eval/loss": (sums[4] / n).item()}
 
 
-@torch.no_grad()
-def rule_check(engine, tokenizer, prompts: list[str], answers_per_prompt: int, seed: int) -> dict[str, float]:
-    """Score the right answer and near misses of each prompt; compare the ranking with the rule's.
+def shipped_candidates(prompts: list[str], answers_per_prompt: int, seed: int) -> list[tuple[str, list]]:
+    """The shipped tasks' check: per prompt the right answer and near misses, labeled 1 and 0."""
+    rng = random.Random(seed)
+    return [(p, synthetic.candidate_answers(p, answers_per_prompt, rng)) for p in prompts]
 
-    ``rule_agreement``: of all (right, wrong) answer pairs of the same prompt, the fraction the
-    model orders right; ``rule_auc``: how well one score threshold separates right from wrong
-    across prompts -- what PPO needs, since it compares rewards of different prompts.
+
+def rule_candidates(rows, rule) -> list[tuple[str, list]]:
+    """A user's rule (data.rule) on the eval pairs: each pair's two answers labeled by the rule's scores."""
+    return [(r["prompt"], [(r["chosen"], rule(r["prompt"], r["chosen"])), (r["rejected"], rule(r["prompt"], r["rejected"]))])
+            for r in rows]
+
+
+@torch.no_grad()
+def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, float]:
+    """Score each prompt's candidate answers; compare the model's ordering with the rule's labels.
+
+    ``rule_agreement``: of all answer pairs of the same prompt that the rule ranks (one labeled
+    higher), the fraction the model orders the same way; ``rule_auc`` (right/wrong labels only):
+    how well one score threshold separates right from wrong across prompts -- what PPO needs, since
+    it compares rewards of different prompts.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    rng = random.Random(seed)
-    cands = [(p, synthetic.candidate_answers(p, answers_per_prompt, rng)) for p in prompts]
     per_rank = -(-len(cands) // world)
     mine = [cands[i % len(cands)] for i in range(rank * per_rank, (rank + 1) * per_rank)]  # equal work per rank
     engine.eval()
@@ -83,10 +95,10 @@ def rule_check(engine, tokenizer, prompts: list[str], answers_per_prompt: int, s
             ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
         values = engine(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device))
         s = losses.gather_at(values, losses.end_indices(mask.to(engine.device))).cpu()
-        y = torch.tensor([label for _, label in answers])
-        diff = s[y == 1].unsqueeze(1) - s[y == 0].unsqueeze(0)
-        agree += int((diff > 0).sum())
-        pairs += diff.numel()
+        y = torch.tensor([float(label) for _, label in answers])
+        ranked = y.unsqueeze(1) > y.unsqueeze(0)  # [i, j]: the rule puts answer i above answer j
+        agree += int(((s.unsqueeze(1) > s.unsqueeze(0)) & ranked).sum())
+        pairs += int(ranked.sum())
         scores.append(s)
         labels.append(y)
     engine.train()
@@ -95,8 +107,10 @@ def rule_check(engine, tokenizer, prompts: list[str], answers_per_prompt: int, s
     all_scores = torch.cat([g[0] for g in gathered])
     all_labels = torch.cat([g[1] for g in gathered])
     total_agree, total_pairs = sum(g[2] for g in gathered), sum(g[3] for g in gathered)
-    return {"eval/rule_agreement": total_agree / max(total_pairs, 1),
-            "eval/rule_auc": losses.auc(all_scores, all_labels)}
+    out = {"eval/rule_agreement": total_agree / max(total_pairs, 1), "eval/rule_pairs": float(total_pairs)}
+    if bool(((all_labels == 0) | (all_labels == 1)).all()):
+        out["eval/rule_auc"] = losses.auc(all_scores, all_labels)
+    return out
 
 
 def run(cfg: Config) -> dict:
@@ -110,10 +124,16 @@ def run(cfg: Config) -> dict:
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
-    # The rule check runs only where the rule knows every eval prompt (the shipped tasks).
-    rule_prompts = list(dict.fromkeys(eval_prompts))
-    if step_cfg.rule_check_answers == 0 or any(synthetic.parse_prompt(p) is None for p in rule_prompts):
-        rule_prompts = []
+    # The rule check: on the shipped tasks, the right answer and near misses of each eval prompt; with
+    # a user's rule (data.rule), the eval pairs as the rule ranks them; else none.
+    cands = []
+    if step_cfg.rule_check_answers:
+        prompts = list(dict.fromkeys(eval_prompts))
+        if not cfg.data.rule and all(synthetic.parse_prompt(p) is not None for p in prompts):
+            cands = shipped_candidates(prompts, step_cfg.rule_check_answers, cfg.data.seed)
+        elif cfg.data.rule:
+            rule = rewards.resolve(cfg.data.rule, "data.rule")
+            cands = rule_candidates(load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1], rule)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_reward_model, model_path, tokenizer, total_steps, "reward")
@@ -125,8 +145,8 @@ def run(cfg: Config) -> dict:
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
         metrics = evaluate(engine, evaluation, step_cfg.score_at)
-        if rule_prompts:
-            metrics.update(rule_check(engine, tokenizer, rule_prompts, step_cfg.rule_check_answers, cfg.data.seed))
+        if cands:
+            metrics.update(rule_check(engine, tokenizer, cands))
         logger.log({**metrics, "epoch": epoch}, step=step)
         if rank == 0:
             common.say(f"[reward] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
