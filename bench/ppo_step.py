@@ -78,7 +78,10 @@ def main() -> None:
         run(cfg)
         rows = [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl") if "step_s" in line][2:]
     med = {k: statistics.median(r[k] for r in rows) for k in ("generate_s", "experience_s", "train_s", "step_s")}
+    from rlhf.launch_step import cpu_bf16
+
     print(json.dumps({"setting": "opt h256 l4 v8192, 4 prompts x 64 + 64 new tokens, bf16, CPU",
+                      "cpu_bf16": cpu_bf16(),  # emulated bf16 makes every figure ~20x slower
                       "threads": cfg.hardware.torch_threads, "measured_steps": len(rows),
                       "answer_tokens": statistics.median(r["answer_len"] for r in rows),
                       **{k: round(v, 4) for k, v in med.items()},

@@ -107,8 +107,11 @@ def main() -> None:
         bare_b, _ = bare_loop(cfg, args.steps, args.window)  # bracket the runner against drift in machine load
     bare = statistics.median(bare_a[1:] + bare_b[1:])
     ours = statistics.median(runner[1:])
+    from rlhf.launch_step import cpu_bf16
+
     print(json.dumps({
         "model": cfg.model.name, "hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,
+        "precision": cfg.hardware.precision, "cpu_bf16": cpu_bf16(),
         "zero": cfg.zero.stage, "micro_batch": cfg.step.micro_batch_size_per_device, "steps": args.steps,
         "threads": cfg.hardware.torch_threads, "bare_s_per_step": round(bare, 5), "runner_s_per_step": round(ours, 5),
         "bare_tokens_per_s": round(tokens / args.steps / bare, 1), "ratio_runner_over_bare": round(ours / bare, 3),

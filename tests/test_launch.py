@@ -241,6 +241,19 @@ def test_a_hub_model_that_cannot_be_reached_is_refused_at_once(tmp_path, monkeyp
     assert not (tmp_path / "config.yaml").exists(), "refused before the run directory is written"
 
 
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_slowdown(tmp_path, monkeypatch, capsys):
+    from rlhf import launch_step
+
+    assert launch_step.cpu_bf16() in ("emulated", "unknown") or launch_step.cpu_bf16().startswith("native (")
+    monkeypatch.setattr(launch_step, "cpu_bf16", lambda: "emulated")  # this CPU's flags, as an AVX2-only CPU has them
+    run(compose(["hardware.precision=bf16", "step.max_steps=1", "data.max_eval_samples=16",
+                 "logging.progress_bar=false", f"run_dir={tmp_path / 'bf16'}"]))
+    assert "WARNING hardware.precision=bf16 on a CPU without native bf16" in capsys.readouterr().out
+    run(compose(["step.max_steps=1", "data.max_eval_samples=16", "logging.progress_bar=false",
+                 f"run_dir={tmp_path / 'fp32'}"]))
+    assert "without native bf16" not in capsys.readouterr().out, "fp32 runs are not warned"
+
+
 def test_help_lists_the_groups_as_files_and_the_sweeps_without_schema_entries():
     proc = run_cli("--help", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
