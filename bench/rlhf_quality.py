@@ -48,16 +48,20 @@ def test_prompts(schema) -> list[str]:
     tokenizer = load_tokenizer(resolve_path(schema.model))
     _, used = load_step_data(schema.data, "ppo", DataReport(), tokenizer)
     seen = set(used["prompt"])
-    rows = load_dataset("json", data_files=str(Path(schema.data.sources[0].path) / "eval.jsonl"), split="train")
+    folder = Path(schema.data.sources[0].path)
+    (eval_file,) = [f for f in (folder / "eval.jsonl", folder / "eval.json") if f.exists()]
+    rows = load_dataset("json", data_files=str(eval_file), split="train")
     return sorted({p for p in rows["prompt"] if p not in seen})
 
 
-def test_accuracy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> float:
-    """Greedy answers of a saved model (plain transformers) scored by the rule."""
+def test_accuracy(model_dir: Path, prompts: list[str], max_new_tokens: int, rule=None) -> float:
+    """Greedy answers of a saved model (plain transformers) scored by ``rule`` (default: the shipped tasks')."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.data.synthetic import rule_score
+
+    rule = rule or rule_score
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
@@ -70,7 +74,7 @@ def test_accuracy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> f
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
         answers = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        right += sum(rule_score(p, a) for p, a in zip(batch, answers, strict=True))
+        right += sum(rule(p, a) for p, a in zip(batch, answers, strict=True))
     return right / len(prompts)
 
 
