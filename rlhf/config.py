@@ -462,7 +462,7 @@ class PPOStepConfig(StepConfig):
     # Nucleus sampling mass; 1.0 is off.
     top_p: float = 1.0
     # Top-k sampling; 0 is off.
-    top_k: int = 0
+    top_k: int = 50
     # KL penalty coefficient against the reference model (initial value when adaptive).
     kl_coef: float = 0.05
     # Per-token KL estimator from rlhf.losses.KL_ESTIMATORS (k1, k2, k3); null: the advantage

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rlhf import losses
 from rlhf.data.blend import DataReport
+from rlhf.decode import decode
 from rlhf.distributed import sum_over_ranks
 
 
@@ -164,18 +165,14 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
     actor.eval()
     zero3 = actor.zero_optimization_stage() == 3
     gathered = gathered_whole(actor) if zero3 and gather_whole else contextlib.nullcontext()
-    sample = do_sample
     with gathered:
-        # synced_gpus even when gathered: the root's start-of-forward hook stays, and it may run a
+        # Synced even when gathered: the root's start-of-forward hook stays, and it may run a
         # collective while the fetch trace is recorded, so every rank runs the same number of forwards.
-        out = actor.module.generate(
-            input_ids=batch["input_ids"].to(actor.device), attention_mask=batch["attention_mask"].to(actor.device),
-            do_sample=sample, temperature=temperature if sample else None,
-            top_p=top_p if sample else None, top_k=(top_k or None) if sample else None,
-            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, synced_gpus=zero3 and dist.get_world_size() > 1)
+        out = decode(actor.module, batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device),
+                     max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample, temperature, top_k,
+                     top_p, min_new_tokens, synced=zero3 and dist.get_world_size() > 1)
     actor.train()
-    return out[:, batch["input_ids"].shape[1]:]
+    return out
 
 
 def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[str]:

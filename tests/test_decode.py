@@ -1,0 +1,57 @@
+"""The rollout decode loop against Hugging Face ``generate`` on the same random models: the same
+greedy tokens, the same samples from the same RNG state (temperature, top-k, top-p), eos stopping
+and padding after it, for left-padded prompt batches of OPT and LLaMA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.config import ModelConfig
+from rlhf.decode import decode
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
+
+PROMPTS = [" Human: sort d b a c Assistant:", " Human: add 3 4 Assistant:", " Human: reverse a b Assistant:",
+           " Human: sort q w e r t y Assistant:"]
+
+
+def _model(family: str):
+    path = resolve_path(ModelConfig(name=f"tiny-{family}", family=family, random_init=True, dropout=0.0))
+    tok = load_tokenizer(path)
+    tok.padding_side = "left"
+    return load_causal_lm(path, tok).eval(), tok
+
+
+def _hf(model, tok, enc, **kw):
+    kw.setdefault("top_k", 0)  # generate's own default is 50; 0 is off, as in ours
+    out = model.generate(**enc, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw)
+    return out[:, enc["input_ids"].shape[1]:]
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_greedy_and_seeded_samples_match_generate(family):
+    model, tok = _model(family)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    ours = decode(model, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id, tok.pad_token_id)
+    theirs = _hf(model, tok, enc, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ours, theirs[:, :ours.shape[1]]) and (theirs[:, ours.shape[1]:] == tok.pad_token_id).all()
+    for kw in ({"temperature": 0.7}, {"temperature": 1.3, "top_k": 5}, {"temperature": 0.9, "top_p": 0.8}):
+        torch.manual_seed(7)
+        ours = decode(model, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id, tok.pad_token_id,
+                      do_sample=True, min_new_tokens=8, **kw)
+        torch.manual_seed(7)
+        theirs = _hf(model, tok, enc, max_new_tokens=8, min_new_tokens=8, do_sample=True, **kw)
+        assert torch.equal(ours, theirs), kw
+
+
+def test_eos_stops_a_row_and_pads_after_it():
+    model, tok = _model("llama")
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():  # make eos the only likely token after the prompt's first answer token
+        bias = torch.zeros(model.config.vocab_size)
+        bias[tok.eos_token_id] = 50.0
+        model.lm_head.bias = torch.nn.Parameter(bias)
+    out = decode(model, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id, tok.pad_token_id,
+                 min_new_tokens=2)
+    assert out.shape[1] == 3, "every row ended at its eos, so the loop stopped there"
+    assert (out[:, 2] == tok.eos_token_id).all() and (out[:, :2] != tok.eos_token_id).all()
