@@ -44,48 +44,53 @@ def main() -> None:
     import torch
 
     from rlhf.config import compose_config, to_schema
+
+    torch.set_num_threads(args.threads)
+    for name, overrides in MODELS.items():
+        print(json.dumps(measure(name, to_schema(compose_config(overrides)), args)), flush=True)
+
+
+def measure(name: str, cfg, args) -> dict:
+    import torch
+
     from rlhf.decode import decode
     from rlhf.launch_step import cpu_bf16
     from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
 
-    torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
-    for name, overrides in MODELS.items():
-        cfg = to_schema(compose_config(overrides))
-        path = resolve_path(cfg.model)
-        tok = load_tokenizer(path)
-        model = load_causal_lm(path, tok, dtype).eval()
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(10, cfg.model.vocab_size, (args.batch, args.prompt), generator=gen)
-        ids[:, 0] = tok.bos_token_id
-        mask = torch.ones_like(ids)
-        mask[0, : args.prompt // 4] = 0  # one left-padded row, as rollouts have
-        sampling = {"do_sample": True, "temperature": 0.7, "top_k": 50, "min_new_tokens": args.new}
+    path = resolve_path(cfg.model)
+    tok = load_tokenizer(path)
+    model = load_causal_lm(path, tok, dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, cfg.model.vocab_size, (args.batch, args.prompt), generator=gen)
+    ids[:, 0] = tok.bos_token_id
+    mask = torch.ones_like(ids)
+    mask[0, : args.prompt // 4] = 0  # one left-padded row, as rollouts have
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 50, "min_new_tokens": args.new}
 
-        def ours():
-            return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **sampling)
+    def ours():
+        return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **sampling)
 
-        def theirs():
-            with torch.no_grad():
-                return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
-                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sampling)
+    def theirs():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sampling)
 
-        times = {"ours": [], "generate": []}
-        for fn in (ours, theirs):  # warm-up
+    times = {"ours": [], "generate": []}
+    for fn in (ours, theirs):  # warm-up
+        fn()
+    for _ in range(args.repeats):
+        for key, fn in (("ours", ours), ("generate", theirs)):
+            start = time.perf_counter()
             fn()
-        for _ in range(args.repeats):
-            for key, fn in (("ours", ours), ("generate", theirs)):
-                start = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - start)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        tokens = args.batch * args.new
-        print(json.dumps({"model": name, "precision": args.precision, "cpu_bf16": cpu_bf16(), "threads": args.threads,
-                          "batch": args.batch, "prompt_tokens": args.prompt, "new_tokens": args.new,
-                          "ours_tokens_per_s": round(tokens / med["ours"], 1),
-                          "generate_tokens_per_s": round(tokens / med["generate"], 1),
-                          "speedup": round(med["generate"] / med["ours"], 3), "target": 2.0}), flush=True)
-
+            times[key].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = args.batch * args.new
+    return {"model": name, "precision": args.precision, "cpu_bf16": cpu_bf16(), "threads": args.threads,
+            "batch": args.batch, "prompt_tokens": args.prompt, "new_tokens": args.new,
+            "ours_tokens_per_s": round(tokens / med["ours"], 1),
+            "generate_tokens_per_s": round(tokens / med["generate"], 1),
+            "speedup": round(med["generate"] / med["ours"], 3), "target": 2.0}
 
 if __name__ == "__main__":
     main()
