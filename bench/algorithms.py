@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 METHODS = {
     "ppo": ["step.advantage_estimator=gae"],
     "grpo": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4"],
+    "dr_grpo": ["step.advantage_estimator=dr_grpo", "step.samples_per_prompt=4"],
     "rloo": ["step.advantage_estimator=rloo", "step.samples_per_prompt=4"],
     "reinforce_pp": ["step.advantage_estimator=reinforce_pp"],
     "reinforce_pp_baseline": ["step.advantage_estimator=reinforce_pp_baseline", "step.samples_per_prompt=4"],

@@ -487,7 +487,7 @@ class PPOStepConfig(StepConfig):
     # Weight of reward_fn's value.
     reward_fn_weight: float = 1.0
     # Advantage estimator from rlhf.losses.ESTIMATORS: gae (with a critic), or the critic-free grpo,
-    # rloo, reinforce_pp, reinforce_pp_baseline (no critic is built).
+    # dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline (no critic is built).
     advantage_estimator: str = "gae"
     # GAE discount.
     gamma: float = 1.0

@@ -306,6 +306,13 @@ def grpo_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
     return group_advantages(_sequence_reward(x), x.mask, x.group_size), None
 
 
+def dr_grpo_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """Dr. GRPO (Liu et al. 2025): GRPO without the division by the group's std. Measured here with a
+    learned reward model: dividing by a small std turns the reward model's slight preferences among
+    answers that are all wrong into full-size advantages, and the policy learns its mistakes."""
+    return group_centered(_sequence_reward(x), x.group_size).view(-1, 1) * x.mask.to(torch.float32), None
+
+
 def rloo_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
     return leave_one_out_advantages(_sequence_reward(x), x.mask, x.group_size), None
 
@@ -344,6 +351,7 @@ class Estimator:
 ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(gae_estimator, True, 1, "reward", "k1", "Schulman et al. 2016; Ouyang et al. 2022"),
     "grpo": Estimator(grpo_estimator, False, 2, "loss", "k3", "Shao et al. 2024 (DeepSeekMath)"),
+    "dr_grpo": Estimator(dr_grpo_estimator, False, 2, "loss", "k3", "Liu et al. 2025 (Dr. GRPO)"),
     "rloo": Estimator(rloo_estimator, False, 2, "reward", "k1", "Ahmadian et al. 2024"),
     "reinforce_pp": Estimator(reinforce_pp_estimator, False, 1, "reward", "k1", "Hu 2025 (REINFORCE++)"),
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_estimator, False, 2, "loss", "k2",

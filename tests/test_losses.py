@@ -227,7 +227,7 @@ def _inputs(score, kl=None, mask=None, kl_coef=0.0, group=2, gamma=1.0, reduce=N
 MIXED = [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
 def test_a_group_whose_answers_all_scored_the_same_gets_zero_advantage(name):
     # The bug this replaced: whitening GRPO's advantages over the batch gave all-wrong groups +0.19.
     x = _inputs([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0], mask=MIXED + MIXED, group=4)
@@ -243,6 +243,9 @@ def test_grpo_and_rloo_by_hand_with_mixed_lengths():
     assert returns is None
     assert torch.allclose(adv, t([[0.866025] * 3, [-0.866025, 0, 0], [-0.866025] * 2 + [0], [0.866025] * 3]),
                           atol=1e-5)
+    # Dr. GRPO: the same without the std: +-0.5.
+    adv, _ = losses.ESTIMATORS["dr_grpo"].fn(x)
+    assert torch.allclose(adv, t([[0.5] * 3, [-0.5, 0, 0], [-0.5] * 2 + [0], [0.5] * 3]))
     # RLOO: 1 - (1 + 0 + 0) / 3 = 2/3 for the right answers, 0 - 2/3 for the wrong ones.
     adv, _ = losses.ESTIMATORS["rloo"].fn(x)
     assert torch.allclose(adv[:, 0], t([2 / 3, -2 / 3, -2 / 3, 2 / 3]), atol=1e-6)

@@ -125,7 +125,7 @@ def test_ppo_config_errors_name_the_key():
         to_schema(compose(["step=ppo", "step.rollout_batch_size_per_device=20", "step.micro_batch_size_per_device=8"]))
     with pytest.raises(ConfigError, match="step.kl_estimator='k9'.*k1, k2, k3"):
         to_schema(compose(["step=ppo", "step.kl_estimator=k9"]))
-    with pytest.raises(ConfigError, match="step.advantage_estimator='ppo'.*gae, grpo, rloo, reinforce_pp"):
+    with pytest.raises(ConfigError, match="step.advantage_estimator='ppo'.*gae, grpo, dr_grpo, rloo, reinforce_pp"):
         to_schema(compose(["step=ppo", "step.advantage_estimator=ppo"]))
     with pytest.raises(ConfigError, match="step.kl_in='advantage'.*reward, loss"):
         to_schema(compose(["step=ppo", "step.kl_in=advantage"]))
