@@ -50,7 +50,7 @@ def test_dpo_learns_the_preferences_and_saves_a_causal_lm(tmp_path, sft_model):
 
 def test_precomputed_and_online_reference_give_the_same_run(tmp_path, sft_model):
     args = [*DPO_FAST, "step.max_steps=5", "step.log_every_steps=1", "step.eval_accuracy_prompts=0",
-            f"actor.path={sft_model}"]
+            "data.max_train_samples=320", f"actor.path={sft_model}"]
     pre = run(compose([*args, f"run_dir={tmp_path / 'pre'}"]))
     online = run(compose([*args, "step.reference_logprobs=online", f"run_dir={tmp_path / 'online'}"]))
     assert online["eval/loss"] == pytest.approx(pre["eval/loss"], abs=1e-4)
@@ -69,10 +69,11 @@ def test_ipo_and_robust_dpo_learn_under_zero3_with_the_reference_offloaded(tmp_p
 
 
 def test_dpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
-    args = ["step=dpo", f"actor.path={sft_model}", "step.max_steps=30", "data.max_train_samples=1280", "step.log_every_steps=1",
-            "checkpoint.every_steps=5", "step.eval_every_steps=0", "step.eval_accuracy_prompts=0"]
+    args = ["step=dpo", f"actor.path={sft_model}", "step.max_steps=16", "data.max_train_samples=320",
+            "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",
+            "step.eval_accuracy_prompts=0"]
     _straight(args, tmp_path / "a")
-    _kill_after(args, tmp_path / "b", "loss", 12)
+    _kill_after(args, tmp_path / "b", "loss", 6)
     _straight(args, tmp_path / "b")
     _same_result(tmp_path / "a", tmp_path / "b", "loss")
 

@@ -103,8 +103,8 @@ def test_critic_free_estimators_build_no_critic_and_move_the_actor(tmp_path, sft
 def test_critic_free_estimators_leave_the_critic_out_of_the_memory_preflight():
     from rlhf import memory
 
-    gae = [r.name for r in memory.estimate(to_schema(compose(["step=ppo"])))]
-    rloo = [r.name for r in memory.estimate(to_schema(compose(["step=ppo", "step.advantage_estimator=rloo",
+    gae = [r.role for r in memory.estimate(to_schema(compose(["step=ppo"])))]
+    rloo = [r.role for r in memory.estimate(to_schema(compose(["step=ppo", "step.advantage_estimator=rloo",
                                                                "step.samples_per_prompt=4"])))]
     assert "critic" in gae and "critic" not in rloo and set(gae) - {"critic"} == set(rloo)
 
