@@ -152,13 +152,15 @@ def plot(results: list[dict], before: float, path: Path) -> None:
         print(f"no matplotlib: {path} not written (pip install -e '.[bench]')")
         return
     colors = {"rm": "tab:blue", "rule": "tab:green", "pairs": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['method']}\n{r['reward']}" for r in results]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(results)), 4.5))
+    labels = [f"{r['method'].replace('_', ' ')}\n{r['reward']}" for r in results]
     ax.bar(labels, [100 * r["test_after"] for r in results], color=[colors[r["reward"]] for r in results])
     ax.axhline(100 * before, color="black", linestyle="--", label=f"SFT start {100 * before:.1f}%")
     ax.set_ylabel("held-out accuracy by the rule (%)")
     ax.set_title("Alignment methods on the shipped sort task (same SFT start, same rollout budget)")
-    ax.legend()
+    ax.set_ylim(0, 110)
+    ax.legend(loc="upper left", fontsize="small")
+    ax.tick_params(axis="x", labelsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -22,6 +22,7 @@ from rlhf.config import (
     STEPS,
     Config,
     ConfigError,
+    DataError,
     load_model_file,
     looks_local,
     missing_paths,
@@ -291,8 +292,20 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     # Ranks run from the project root; a user's module named in the config (data.rule=my_task:score)
     # is imported from the folder the run was started in, as in a one-rank run.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    env["RLHF_LAUNCHER"] = "1"  # a rank's user error is left in error.json for this process to say once
     # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
     runner = Path(sys.executable).parent / "deepspeed"
     exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    subprocess.run([*exe, *cmd[1:]], check=True, cwd=PROJECT_ROOT, env=env)
+    for d in run_dirs:
+        (d / "error.json").unlink(missing_ok=True)
+    code = subprocess.run([*exe, *cmd[1:]], cwd=PROJECT_ROOT, env=env).returncode
+    if code:
+        # A rank that stopped on a user's error left it in error.json: the same one line and exit code
+        # 2 as a one-rank run. Anything else is a crash, whose traceback the ranks printed above.
+        for d in run_dirs:
+            if (f := d / "error.json").exists():
+                err = json.loads(f.read_text())
+                raise (DataError if err["kind"] == "data" else ConfigError)(err["message"])
+        raise RuntimeError(f"the ranks stopped with exit code {code} (their output is above; the run's files "
+                           f"are in {', '.join(map(str, run_dirs))})")
     return [json.loads(f.read_text()) if (f := d / "final_metrics.json").exists() else {} for d in run_dirs]

@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -73,10 +74,30 @@ def build_shared_artifacts(cfg: Config) -> None:
     models.resolve_path(cfg.model)  # a hub id or folder comes back as it is, with no work
 
 
+def clear_stale_build_locks(max_age_s: float = 900) -> None:
+    """Remove torch-extension build locks left by a killed process. DeepSpeed compiles its CPU ops
+    (CPU Adam, the shared-memory collective) under a lock file that a killed build never removes,
+    and torch waits on such a lock forever: every later run hung (seen after a session was cut
+    short). A build takes about a minute here, so a lock older than ``max_age_s`` is stale."""
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                print(f"removed a stale build lock {lock} ({age / 60:.0f} min old, left by a killed build)",
+                      file=sys.stderr, flush=True)
+        except FileNotFoundError:  # another rank removed it first
+            pass
+
+
 def main(cfg: Config) -> dict:
     from rlhf.runners import RUNNERS
 
     quiet_libraries()
+    clear_stale_build_locks()
     build_shared_artifacts(cfg)
     init_distributed(cfg)
     seed_everything(cfg.seed)
@@ -87,11 +108,10 @@ def main_steps(paths: list[str]) -> None:
     import gc
     import json
     import time
-    from pathlib import Path
 
     import torch.distributed as dist
 
-    from rlhf.config import load_run_config
+    from rlhf.config import ConfigError, load_run_config
 
     for path in paths:
         cfg = load_run_config(path)
@@ -99,7 +119,19 @@ def main_steps(paths: list[str]) -> None:
         if cfg.resume == "auto" and (run_dir / "final_metrics.json").exists():
             continue
         start = time.perf_counter()
-        main(cfg)
+        try:
+            main(cfg)
+        except ConfigError as err:
+            # A user's error (bad data, a rule that cannot score): one line for the launcher to show
+            # (launch_step.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
+            (run_dir / "error.json").write_text(json.dumps({"kind": err.kind, "message": str(err)}))
+            if "RLHF_LAUNCHER" not in os.environ:  # ranks started by hand: nobody else will say it
+                print(f"{err.kind} error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except Exception:
+            if (run_dir / "error.json").exists():  # another rank's user error broke the collectives
+                sys.exit(2)
+            raise
         if dist.get_rank() == 0:  # the chain's manifest reads the step's wall time from here
             (run_dir / "wall_time.json").write_text(json.dumps({"seconds": round(time.perf_counter() - start, 1)}))
         gc.collect()  # drop the finished step's engines before the next step builds its own

@@ -258,15 +258,20 @@ def test_an_empty_train_file_and_a_number_for_text_are_named(tmp_path):
                     "answer", DataReport(), "train", on_bad_row="error")
 
 
-def test_bad_data_is_one_line_and_exit_code_2_on_the_command_line(tmp_path):
-    from tests.conftest import run_cli
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bad_data_is_one_line_and_exit_code_2_on_the_command_line(tmp_path, ranks):
+    """With two ranks the error surfaces inside the ranks: still one line, exit 2, no rank tracebacks
+    (the rank waiting at a barrier for the one that stopped included)."""
+    from tests.conftest import free_port, run_cli
 
     folder, _ = _folder(tmp_path, '{"prompt": " Human: a Assistant:", "chosen": " b", "rejected": " c"}\n{oops\n')
-    proc = run_cli("step=sft", f"data.sources=[{{path: {folder}}}]", "data.on_bad_row=error",
+    extra = ["hardware=cpu-2rank", f"launch.master_port={free_port()}"] if ranks == 2 else []
+    proc = run_cli("step=sft", f"data.sources=[{{path: {folder}}}]", "data.on_bad_row=error", *extra,
                    f"run_dir={tmp_path / 'run'}", timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"data error: {folder / 'train.jsonl'}, line 2: not a JSON object" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    line = f"data error: {folder / 'train.jsonl'}, line 2: not a JSON object"
+    assert (proc.stdout + proc.stderr).count(line) == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_a_sources_split_does_not_depend_on_where_the_checkout_or_folder_lives(tmp_path):

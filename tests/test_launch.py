@@ -261,3 +261,22 @@ def test_help_lists_the_groups_as_files_and_the_sweeps_without_schema_entries():
     assert "schema" not in proc.stdout
     assert "sft_lr_zero" in lines["sweep"] and "3-offload" in lines["zero"] and "e2e" in lines["stage"]
     assert len(proc.stdout.splitlines()) < 40, "a page, not a dump of every key"
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, monkeypatch, capsys):
+    """torch waits forever on an extension's build lock; a killed build leaves one behind."""
+    import os
+    import time
+
+    from rlhf.worker import clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    clear_stale_build_locks()
+    assert not stale.exists() and fresh.exists(), "a build running now keeps its lock"
+    assert "removed a stale build lock" in capsys.readouterr().err
