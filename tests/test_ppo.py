@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -300,7 +301,18 @@ def test_the_best_evaluated_actor_becomes_the_output_and_the_last_is_kept_beside
     assert final == {"step": 375, "eval/accuracy": 0.61, "eval/rm_score": 1.40, "eval/accuracy_last": 0.33,
                      "eval/rm_score_last": 1.78, "best_step": 150}
     assert "model/ is the actor of step 150 (held-out accuracy 0.610" in capsys.readouterr().out
-    # Never better than the start: the last actor stays the output, and the run says so.
+    # Never better than the start: the output is a copy of the start (the SFT folder), the last actor
+    # is beside it, and the run says so; a start that is no local folder (a hub id) leaves the last.
+    start = tmp_path / "sft"
+    start.mkdir()
+    (start / "config.json").write_text("{}")
+    (start / "tag").write_text("start")
     (tmp_path / "model_last").rename(tmp_path / "model_old")
-    _keep_best(tmp_path, {"step": 0, "metrics": {"eval/accuracy": 0.4}}, 375, last, {}, warnings)
-    assert (tmp_path / "model" / "tag").read_text() == "best" and "never beat its start" in warnings[0]
+    final = {}
+    _keep_best(tmp_path, {"step": 0, "metrics": {"eval/accuracy": 0.4}}, 375, last, final, warnings, str(start))
+    assert (tmp_path / "model" / "tag").read_text() == "start" and (tmp_path / "model_last" / "tag").read_text() == "best"
+    assert "never beat its start" in warnings[0] and "a copy of the start" in warnings[0]
+    assert final["eval/accuracy"] == 0.4 and final["best_step"] == 0
+    shutil.rmtree(tmp_path / "model_last")
+    _keep_best(tmp_path, {"step": 0, "metrics": {"eval/accuracy": 0.4}}, 375, last, {}, warnings, "org/hub-id")
+    assert (tmp_path / "model" / "tag").read_text() == "start" and "the output is the last actor" in warnings[-1]

@@ -478,14 +478,16 @@ def run(cfg: Config) -> dict:
             _ema_save(ema, actor, tokenizer, run_dir / "model_ema")
             final["ema_dir"] = str(run_dir / "model_ema")
         if keep_best and best and rank == 0:
-            _keep_best(run_dir, best, step, last, final, warnings)
+            _keep_best(run_dir, best, step, last, final, warnings, actor_path)
 
     # The list itself goes into the final figures: what _keep_best adds still lands there.
     return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved, "warnings": warnings}, logger, save_more)
 
 
-def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, warnings: list[str]) -> None:
-    """Make the best-evaluated actor the output (model/), the last one model_last/, and say which."""
+def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, warnings: list[str],
+               start: str = "") -> None:
+    """Make the best-evaluated actor the output (model/), the last one model_last/, and say which;
+    when the best was the start (step 0), the output is a copy of ``start``, the actor's folder."""
     shutil.rmtree(run_dir / "model_last", ignore_errors=True)
     final.update({f"{k}_last": v for k, v in last.items()}, best_step=best["step"])
     if best["step"] == step:
@@ -493,8 +495,16 @@ def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, wa
         say(f"[ppo] output: the last actor (step {step}) had the best held-out accuracy, "
               f"{last['eval/accuracy']:.3f}")
     elif best["step"] == 0:
-        warnings.append(f"PPO never beat its start on held-out accuracy ({best['metrics']['eval/accuracy']:.3f} at step "
-                        f"0, {last['eval/accuracy']:.3f} at the end); the output is the last actor")
+        why = (f"PPO never beat its start on held-out accuracy ({best['metrics']['eval/accuracy']:.3f} at step 0, "
+               f"{last['eval/accuracy']:.3f} at the end)")
+        if (Path(start) / "config.json").exists():  # the start is a local model folder: it is the best actor
+            os.replace(run_dir / "model", run_dir / "model_last")
+            shutil.copytree(start, run_dir / "model")
+            final.update(best["metrics"])
+            warnings.append(f"{why}; the output model/ is a copy of the start ({start}), the last actor is in "
+                            "model_last/")
+        else:
+            warnings.append(f"{why}; the output is the last actor")
         say(f"[ppo] WARNING {warnings[-1]}")
     else:
         os.replace(run_dir / "model", run_dir / "model_last")
