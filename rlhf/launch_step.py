@@ -299,6 +299,11 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     for d in run_dirs:
         (d / "error.json").unlink(missing_ok=True)
     code = subprocess.run([*exe, *cmd[1:]], cwd=PROJECT_ROOT, env=env).returncode
+    # DeepSpeed's CPU all-reduce keeps a shared-memory buffer per rank in /dev/shm, named by the
+    # rendezvous port; ranks the launcher killed never unlink theirs (17 GB piled up here, and the
+    # machine swapped). The ranks are gone now: remove this launch's buffers.
+    for buf in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{cfg.launch.master_port}_*"):
+        buf.unlink(missing_ok=True)
     if code:
         # A rank that stopped on a user's error left it in error.json: the same one line and exit code
         # 2 as a one-rank run. Anything else is a crash, whose traceback the ranks printed above.
