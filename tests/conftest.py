@@ -85,3 +85,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shared_memory():
+    """Ranks that tests start or kill leave DeepSpeed's shared-memory all-reduce buffers in /dev/shm
+    (69 MB per rank); remove the ones made during this session, never older ones."""
+    import time
+
+    start = time.time()
+    yield
+    for buf in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        try:
+            if buf.stat().st_mtime >= start:
+                buf.unlink()
+        except FileNotFoundError:
+            pass
