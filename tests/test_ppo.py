@@ -51,8 +51,10 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-5), "actor and reference start identical"
     assert final["reference_weight_change"] == 0.0
     assert final["actor_weight_change"] > 0.0
-    # The saved actor differs from its SFT start; the saved critic is a reward-model folder.
-    before, after = load_file(sft / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    # The last actor differs from its SFT start (it is model/, or model_last/ when 3 steps did not beat
+    # the start and model/ is a copy of it); the saved critic is a reward-model folder.
+    last = tmp_path / ("model_last" if final.get("best_step") == 0 else "model")
+    before, after = load_file(sft / "model.safetensors"), load_file(last / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (tmp_path / "critic" / "config.json").exists()
     ds = json.loads((tmp_path / "ds_config.json").read_text())
