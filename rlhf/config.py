@@ -356,14 +356,26 @@ class StepConfig:
 
 
 @dataclass
-class SFTStepConfig(StepConfig):
-    name: str = "sft"
-    # Tokens that carry the loss: the answer only (DeepSpeed-Chat masks nothing), or all tokens.
-    loss_on: str = "answer"
-    # Held-out prompts answered greedily and scored by the rule at each eval (shipped tasks only); 0: off.
+class GreedyEvalStepConfig(StepConfig):
+    """A step whose policy is also judged by greedy answers to held-out prompts (SFT, DPO)."""
+
+    # Held-out prompts answered greedily and scored by the data's rule at each eval (data.rule, or the
+    # shipped tasks' rule on their prompts); 0: off.
     eval_accuracy_prompts: int = 0
     # Longest greedy answer in that check, in tokens.
     max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
+        _positive("step.max_new_tokens", self.max_new_tokens)
+
+
+@dataclass
+class SFTStepConfig(GreedyEvalStepConfig):
+    name: str = "sft"
+    # Tokens that carry the loss: the answer only (DeepSpeed-Chat masks nothing), or all tokens.
+    loss_on: str = "answer"
     # Stop training once that held-out accuracy reaches this (seeds vary a lot at a fixed step count,
     # so an SFT start for PPO is better chosen by accuracy); null: never.
     stop_at_accuracy: float | None = None
@@ -371,8 +383,6 @@ class SFTStepConfig(StepConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("step.loss_on", self.loss_on, ("answer", "all"))
-        _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
-        _positive("step.max_new_tokens", self.max_new_tokens)
         if self.stop_at_accuracy is not None and (self.eval_accuracy_prompts == 0 or self.eval_every_steps == 0):
             raise ConfigError("step.stop_at_accuracy needs step.eval_accuracy_prompts > 0 and step.eval_every_steps > 0")
 
@@ -398,7 +408,7 @@ class RewardStepConfig(StepConfig):
 
 
 @dataclass
-class DPOStepConfig(StepConfig):
+class DPOStepConfig(GreedyEvalStepConfig):
     name: str = "dpo"
     # Loss from rlhf.losses.DPO_LOSSES: sigmoid (DPO; the conservative variant with label_smoothing > 0),
     # ipo, or robust (needs label_smoothing > 0).
@@ -415,11 +425,6 @@ class DPOStepConfig(StepConfig):
     reference_logprobs: str = "precompute"
     # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
     offload_reference: bool = False
-    # Held-out prompts answered greedily and scored by the data's rule at each eval (where a rule knows
-    # them); 0: off.
-    eval_accuracy_prompts: int = 256
-    # Longest greedy answer in that check, in tokens.
-    max_new_tokens: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -429,8 +434,6 @@ class DPOStepConfig(StepConfig):
         _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
         _positive("step.beta", self.beta)
         _positive("step.nll_coef", self.nll_coef, allow_zero=True)
-        _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
-        _positive("step.max_new_tokens", self.max_new_tokens)
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"step.label_smoothing={self.label_smoothing} must be in [0, 0.5): it is the "
                               "probability that a pair's label is flipped")

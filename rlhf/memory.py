@@ -108,12 +108,11 @@ def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> f
 
 
 def generating_role(cfg: Config) -> str | None:
-    """The role that generates, in a step that does: PPO's rollouts, SFT's greedy accuracy eval."""
-    if cfg.step.name == "ppo":
-        return "actor"
-    if cfg.step.name in ("sft", "dpo") and cfg.step.eval_accuracy_prompts > 0:
-        return "model" if cfg.step.name == "sft" else "actor"
-    return None
+    """The role that generates, in a step that does: PPO's rollouts, SFT's and DPO's greedy accuracy eval."""
+    if cfg.step.name != "ppo" and not getattr(cfg.step, "eval_accuracy_prompts", 0):
+        return None
+    # The trainable language model of the step: PPO's and DPO's actor, SFT's model.
+    return next(r.name for r in STEPS[cfg.step.name].roles if r.trainable and r.lm_head)
 
 
 def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:

@@ -125,10 +125,12 @@ def pair_dataset(rows: Dataset, tokenizer, max_seq_len: int, report: DataReport,
 
 class PairCollator:
     """One batch of 2B rows: the B chosen, then the B rejected, right-padded to a common width so
-    that the prompts line up position by position (the divergence loss compares them there)."""
+    that the prompts line up position by position (the divergence loss compares them there).
+    ``answer_mask``: also the mask of each row's answer tokens (eos included), for DPO's log-probs."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, answer_mask: bool = False):
         self.pad_token_id = pad_token_id
+        self.answer_mask = answer_mask
 
     def __call__(self, batch: list[dict]) -> dict[str, torch.Tensor]:
         seqs = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
@@ -139,7 +141,7 @@ class PairCollator:
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         out = {"input_ids": ids, "attention_mask": mask}
-        if "prompt_len" in batch[0]:  # the answer tokens (with eos) of each row: DPO's log-probs sum over them
+        if self.answer_mask:
             starts = torch.tensor([b["prompt_len"] for b in batch] * 2).unsqueeze(1)
             out["answer_mask"] = mask * (torch.arange(width).unsqueeze(0) >= starts)
         for key in ("ref_chosen", "ref_rejected"):  # precomputed reference log-probs, where present

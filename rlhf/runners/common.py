@@ -55,11 +55,12 @@ def step_data(cfg: Config, step: str, tokenizer, params: dict, build) -> tuple:
     return (*out, report)
 
 
-def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int, role: str):
+def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int, role: str,
+                 frozen: dict | None = None):
     """The step's one trainable model, loaded with ``load`` (models.load_causal_lm or
     load_reward_model; sharded while loading under ZeRO-3) and wrapped by the engine factory, its
-    DeepSpeed JSON written to ds_config.json; returns it with its parameter count and the
-    checkpointer that saves it."""
+    DeepSpeed JSON written to ds_config.json beside those of the step's ``frozen`` roles (name ->
+    DeepSpeed JSON); returns it with its parameter count and the checkpointer that saves it."""
     import torch.distributed as dist
 
     from rlhf import engine as engine_factory
@@ -70,7 +71,7 @@ def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int
                      cfg.model.trust_remote_code)
     engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
     if dist.get_rank() == 0:
-        (Path(cfg.run_dir) / "ds_config.json").write_text(json.dumps({role: ds_cfg}, indent=2))
+        (Path(cfg.run_dir) / "ds_config.json").write_text(json.dumps({role: ds_cfg, **(frozen or {})}, indent=2))
     ckpt = Checkpointer(Path(cfg.run_dir), {role: engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
     return engine, count_params(engine.module), ckpt
 

@@ -15,9 +15,6 @@ accuracy; on data a rule knows, greedy held-out accuracy too. Saves a folder tha
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
@@ -115,7 +112,7 @@ def run(cfg: Config) -> dict:
     train_ds, eval_ds, eval_prompts, report = common.step_data(
         cfg, "dpo", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
-    collate = PairCollator(tokenizer.pad_token_id)
+    collate = PairCollator(tokenizer.pad_token_id, answer_mask=True)
     rule = rewards.task_rule(cfg.data.rule, eval_prompts)
     accuracy_prompts = []
     if step_cfg.eval_accuracy_prompts and rule is not None:
@@ -137,11 +134,9 @@ def run(cfg: Config) -> dict:
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
-    engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "actor")
+    engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "actor",
+                                                 frozen={"reference": ref_ds})
     if rank == 0:
-        (Path(cfg.run_dir) / "ds_config.json").write_text(json.dumps(
-            {"actor": json.loads((Path(cfg.run_dir) / "ds_config.json").read_text())["actor"], "reference": ref_ds},
-            indent=2))
         common.say(f"[dpo] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
                    f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters; loss {step_cfg.loss}, "
                    f"beta {step_cfg.beta}, reference log-probs {step_cfg.reference_logprobs}")
