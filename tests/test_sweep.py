@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import subprocess
+import time
 
 from rlhf.launch import run
 from tests.conftest import compose, run_cli
@@ -48,7 +49,11 @@ def test_wandb_offline_and_tensorboard_files_hold_the_logged_metrics(tmp_path, m
                  "logging.progress_bar=false", "step.save_model=false", f"run_dir={tmp_path}"]))
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
-    data = files[0].read_bytes()
+    # wandb's service process writes the file; finish() can return before it has flushed its last block
+    # (CI once read only the 7-byte header), so give the service a bounded time to close the file.
+    deadline = time.monotonic() + 60
+    while b"tokens_per_s" not in (data := files[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert b"loss" in data and b"eval/ppl" in data and b"tokens_per_s" in data
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and b"tokens_per_s" in events[0].read_bytes()
