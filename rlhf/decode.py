@@ -44,7 +44,12 @@ def next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
-def _accepts(model, name: str) -> bool:
+def accepts(model, name: str) -> bool:
+    """Whether the model's forward takes ``name``, looking through a DeepSpeed engine and a PEFT
+    wrapper (whose forward takes ``**kwargs`` and hands them on to the model it wraps)."""
+    model = getattr(model, "module", model)
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     return name in inspect.signature(model.forward).parameters
 
 
@@ -59,14 +64,14 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     attn = attention_mask.long()
     kwargs = {}
     # The prompt's forward needs the lm head at its last position only, where the model allows it.
-    first = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    positions = _accepts(model, "position_ids")
+    first = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+    positions = accepts(model, "position_ids")
     if positions:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         kwargs["position_ids"] = pos
         next_pos = pos[:, -1:] + 1
     # Transformers 5 names the cache argument `cache`; earlier versions and some families `past_key_values`.
-    cache_arg = "cache" if _accepts(model, "cache") else "past_key_values"
+    cache_arg = "cache" if accepts(model, "cache") else "past_key_values"
     kwargs[cache_arg] = DynamicCache()  # filled in place by every forward
     out = model(input_ids=input_ids, attention_mask=attn, use_cache=True, **kwargs, **first)
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)

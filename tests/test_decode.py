@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.config import ModelConfig
-from rlhf.decode import decode
+from rlhf.decode import accepts, decode
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
 
 PROMPTS = [" Human: sort d b a c Assistant:", " Human: add 3 4 Assistant:", " Human: reverse a b Assistant:",
@@ -55,3 +55,27 @@ def test_eos_stops_a_row_and_pads_after_it():
                  min_new_tokens=2)
     assert out.shape[1] == 3, "every row ended at its eos, so the loop stopped there"
     assert (out[:, 2] == tok.eos_token_id).all() and (out[:, :2] != tok.eos_token_id).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_lora_wrapped_model_decodes_and_scores_like_the_bare_one(family):
+    """PEFT's forward takes **kwargs: the loop and the scoring must still hand it position ids (left
+    padding) and logits_to_keep, so a fresh adapter (B = 0) changes no token and no logit."""
+    from rlhf.config import LoraConfig
+    from rlhf.models import apply_lora
+    from rlhf.rollout import answer_logits, position_ids
+
+    model, tok = _model(family)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    bare = decode(model, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id, tok.pad_token_id)
+    seq = torch.cat([enc["input_ids"], bare], dim=1)
+    attn = torch.cat([enc["attention_mask"], torch.ones_like(bare)], dim=1)
+    pos, start = position_ids(attn), enc["input_ids"].shape[1] - 1
+    with torch.no_grad():
+        full = model(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
+        assert torch.allclose(answer_logits(model, seq, attn, pos, start), full, atol=1e-5)
+        lora = apply_lora(model, LoraConfig(rank=4)).eval()
+        assert accepts(lora, "position_ids") and accepts(lora, "logits_to_keep")
+        assert torch.equal(decode(lora, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id,
+                                  tok.pad_token_id), bare)
+        assert torch.allclose(answer_logits(lora, seq, attn, pos, start), full, atol=1e-5)

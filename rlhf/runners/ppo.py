@@ -45,6 +45,7 @@ from rlhf.logging import peak_memory_gb
 from rlhf.rollout import (
     Experience,
     Scores,
+    answer_logits,
     answer_texts,
     evaluate,
     generate,
@@ -96,10 +97,10 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     start = prompt_ids.shape[1] - 1  # logits at start predict the first answer token
 
     actor.eval()
-    logits = actor(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
+    logits = answer_logits(actor, seq, attn, pos, start)
     old_logprobs = losses.token_logprobs(logits, response, step_cfg.temperature)
     actor.train()
-    ref_logits = ref(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
+    ref_logits = answer_logits(ref, seq, attn, pos, start)
     ref_logprobs = losses.token_logprobs(ref_logits, response, step_cfg.temperature)
     old_values = None
     if critic is not None:
@@ -144,8 +145,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
         for i in range(0, n, micro):
             idx = order[i:i + micro].to(exp.seq.device)
             mask = exp.mask[idx]
-            logits = actor(input_ids=exp.seq[idx], attention_mask=exp.attn[idx],
-                           position_ids=exp.pos[idx]).logits[:, start:-1]
+            logits = answer_logits(actor, exp.seq[idx], exp.attn[idx], exp.pos[idx], start)
             logprobs = losses.token_logprobs(logits, exp.response[idx], step_cfg.temperature)
             pg_loss, clip_frac = losses.policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask,
                                                     step_cfg.clip_range)
