@@ -81,8 +81,14 @@ def rule_score(prompt: str, answer: str) -> float:
 # policy really makes on the sort task (measured on a tiny SFT model sampling at temperature 0.7:
 # 55% a letter not in the input, 29% a repeated letter, 12% a wrong length, 1% a wrong order);
 # order mistakes stay in, since they are the hardest to tell from the right answer.
-LETTER_MISTAKES = {"replace": 4, "replace_two": 1, "duplicate": 3, "drop": 1, "insert": 1,
+# A replaced letter is most often the right letter's neighbour in the alphabet: of the sort mistakes
+# the default chain's SFT models made in PPO rollouts (4 seeds, 273 wrong answers), 40% swapped in a
+# letter 1 away and 14% one 2 away; a reward model that had seen only uniformly drawn replacements
+# scored 99% of those as right, and PPO learned to make them (rollout AUC of the reward model against
+# the rule fell to 0.3). Hence "replace_near".
+LETTER_MISTAKES = {"replace_near": 5, "replace": 2, "replace_two": 1, "duplicate": 3, "drop": 1, "insert": 1,
                    "swap_adjacent": 2, "swap_any": 1, "echo": 1}
+NEAR = 2  # how far in the alphabet a "replace_near" letter lies from the right one
 
 
 def _letter_near_miss(rng: random.Random, args: list[str], right: list[str]) -> list[str]:
@@ -98,6 +104,12 @@ def _letter_near_miss(rng: random.Random, args: list[str], right: list[str]) -> 
         elif kind == "swap_any":
             i, j = rng.sample(range(len(out)), 2)
             out[i], out[j] = out[j], out[i]
+        elif kind == "replace_near":
+            i = rng.randrange(len(out))
+            near = [c for c in foreign if 0 < abs(ord(c) - ord(out[i])) <= NEAR]
+            if not near:
+                continue
+            out[i] = rng.choice(near)
         elif kind == "replace":
             out[rng.randrange(len(out))] = rng.choice(foreign)
         elif kind == "replace_two":
