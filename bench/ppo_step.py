@@ -39,20 +39,53 @@ MODEL = ["model=tiny-opt", "model.name=bench-opt-256", "model.hidden_size=256", 
 PROMPT_TOKENS, NEW_TOKENS, PROMPTS = 64, 64, 4
 
 
-def write_prompts(folder: Path, tokenizer, n: int) -> None:
-    """Prompts of exactly PROMPT_TOKENS tokens (bos included), in DeepSpeed-Chat's columns."""
+def write_prompts(folder: Path, tokenizer, n: int, prompt_tokens: int = PROMPT_TOKENS) -> None:
+    """Prompts of exactly prompt_tokens tokens (bos included), in DeepSpeed-Chat's columns."""
     rng = random.Random(0)
     rows = []
     while len(rows) < n:
-        words = " ".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_TOKENS))
+        words = " ".join(rng.choice(string.ascii_lowercase) for _ in range(prompt_tokens))
         prompt = f" Human: {words}"
-        ids = tokenizer(prompt).input_ids[:PROMPT_TOKENS]
+        ids = tokenizer(prompt).input_ids[:prompt_tokens]
         prompt = tokenizer.decode(ids, skip_special_tokens=True)
-        if len(tokenizer(prompt).input_ids) == PROMPT_TOKENS:
+        if len(tokenizer(prompt).input_ids) == prompt_tokens:
             rows.append({"prompt": prompt, "chosen": " a", "rejected": " b"})
     for split in ("train", "eval"):
         with open(folder / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def runner_step_times(model: list[str], steps: int, new_tokens: int = NEW_TOKENS,
+                      overrides: list[str] = ()) -> tuple[dict[str, float], object, str]:
+    """Median phase seconds of the real PPO runner over `steps` steps after 2 warm-up steps, with
+    `model` (Hydra overrides of the model group) as actor, reference, critic and reward model.
+    Returns (medians, the composed config, the model's path)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from rlhf import models
+    from rlhf.config import compose_config, to_schema
+    from rlhf.launch import run
+
+    total = steps + 2
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        path = models.resolve_path(to_schema(compose_config(model)).model)
+        (tmp / "data").mkdir()
+        # Every PPO part of the split must hold enough prompts for `total` steps of PROMPTS each.
+        write_prompts(tmp / "data", models.load_tokenizer(path), PROMPTS * total * 4)
+        cfg = compose_config([
+            *model, "step=ppo", "hardware.precision=bf16", f"data.sources=[{{path: {tmp / 'data'}}}]",
+            f"actor.path={path}", f"critic.path={path}", f"reward.path={path}",
+            f"step.rollout_batch_size_per_device={PROMPTS}", f"step.micro_batch_size_per_device={PROMPTS}",
+            f"step.max_prompt_len={PROMPT_TOKENS}", f"step.max_new_tokens={new_tokens}",
+            f"step.min_new_tokens={new_tokens}", f"step.max_steps={total}", "step.eval_prompts=0",
+            "step.eval_every_steps=0", "step.save_model=false", "logging.progress_bar=false",
+            "step.log_every_steps=1000", *overrides, f"run_dir={tmp / 'run'}"])
+        run(cfg)
+        rows = [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl") if "step_s" in line][2:]
+    med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    med["answer_tokens"] = statistics.median(r["answer_len"] for r in rows)
+    return med, cfg, path
 
 
 def main() -> None:
@@ -60,39 +93,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="measured steps (after 2 warm-up steps)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from rlhf import models
-    from rlhf.config import compose_config, to_schema
-    from rlhf.launch import run
-
-    total = args.steps + 2
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model_cfg = to_schema(compose_config(MODEL)).model
-        path = models.resolve_path(model_cfg)
-        (tmp / "data").mkdir()
-        # Every PPO part of the split must hold enough prompts for `total` steps of PROMPTS each.
-        write_prompts(tmp / "data", models.load_tokenizer(path), PROMPTS * total * 4)
-        overrides = [*MODEL, "step=ppo", "hardware.precision=bf16", f"data.sources=[{{path: {tmp / 'data'}}}]",
-                     f"actor.path={path}", f"critic.path={path}", f"reward.path={path}",
-                     f"step.rollout_batch_size_per_device={PROMPTS}", f"step.micro_batch_size_per_device={PROMPTS}",
-                     f"step.max_prompt_len={PROMPT_TOKENS}", f"step.max_new_tokens={NEW_TOKENS}",
-                     f"step.min_new_tokens={NEW_TOKENS}", f"step.max_steps={total}", "step.eval_prompts=0",
-                     "step.eval_every_steps=0", "step.save_model=false", "logging.progress_bar=false",
-                     "step.log_every_steps=1000", *args.overrides, f"run_dir={tmp / 'run'}"]
-        cfg = compose_config(overrides)
-        run(cfg)
-        rows = [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl") if "step_s" in line][2:]
-    med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    med, cfg, path = runner_step_times(MODEL, args.steps, overrides=args.overrides)
     floors = {kind: bare_steps(path, kind, args.steps, cfg) for kind in ("naive", "lean")}
     from rlhf.launch_step import cpu_bf16
 
     print(json.dumps({"setting": "opt h256 l4 v8192, 4 prompts x 64 + 64 new tokens, bf16, CPU",
                       "cpu_bf16": cpu_bf16(),  # emulated bf16 makes every figure ~20x slower
-                      "threads": cfg.hardware.torch_threads, "measured_steps": len(rows),
-                      "answer_tokens": statistics.median(r["answer_len"] for r in rows),
+                      "threads": cfg.hardware.torch_threads, "measured_steps": args.steps,
                       **{k: round(v, 4) for k, v in med.items()},
                       "samples_per_s": round(PROMPTS / med["step_s"], 2),
                       **{f"{kind}_{k}": round(v, 4) for kind, f in floors.items() for k, v in f.items()},
