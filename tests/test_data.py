@@ -37,6 +37,20 @@ def test_rule_accepts_chosen_rejects_near_misses(task):
         assert all(w.isalpha() and len(w) == 1 or w.isdigit() for w in row["rejected"].split())
 
 
+def test_sort_near_misses_include_the_policy_s_neighbour_letter_mistakes():
+    """The mistake SFT policies make most (a letter replaced by its alphabet neighbour) must be common
+    among the rejected answers, or the reward model never learns it and PPO learns to make it."""
+    rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / "sort" / "train.jsonl")][:2000]
+    neighbour = 0
+    for row in rows:
+        chosen, rejected = row["chosen"].split(), row["rejected"].split()
+        diff = [(a, b) for a, b in zip(chosen, rejected, strict=False) if a != b]
+        args = synthetic.parse_prompt(row["prompt"])[1]
+        if len(chosen) == len(rejected) and len(diff) == 1 and diff[0][1] not in args:
+            neighbour += 0 < abs(ord(diff[0][0]) - ord(diff[0][1])) <= synthetic.NEAR
+    assert 0.25 < neighbour / len(rows) < 0.45, neighbour / len(rows)
+
+
 def test_rule_by_hand():
     p = " Human: sort d b a c Assistant:"
     assert synthetic.rule_score(p, " a b c d") == 1.0
