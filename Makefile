@@ -31,10 +31,13 @@ test-all: install  ## the test suite including slow tests
 lint: install  ## ruff over the code
 	$(BIN)/ruff check rlhf tests bench launch.py
 
-bench: install  ## every benchmark script (about 10 min on CPU); each prints one JSON line
+bench: install  ## the speed and quality benchmarks (about 25 min on CPU); each prints JSON lines
 	$(BIN)/python bench/sft_overhead.py
 	$(BIN)/python bench/reward_quality.py
+	$(BIN)/python bench/decode.py
 	$(BIN)/python bench/ppo_step.py
+	$(BIN)/python bench/zero3_generate.py
+	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/rlhf_quality.py
 
 sweep-demo: install  ## a tiny 4-job grid on CPU; writes multirun/sft_demo/results.{csv,md,png}
