@@ -32,7 +32,7 @@ lint: install  ## ruff over the code
 	$(BIN)/ruff check rlhf tests bench launch.py
 
 bench: install  ## the speed and quality benchmarks (about 25 min on CPU); each prints JSON lines
-	$(BIN)/python bench/sft_overhead.py
+	$(BIN)/python bench/step_overhead.py
 	$(BIN)/python bench/reward_quality.py
 	$(BIN)/python bench/decode.py
 	$(BIN)/python bench/ppo_step.py

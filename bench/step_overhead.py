@@ -1,13 +1,15 @@
-"""Overhead of the SFT runner against a bare torch loop, measured in the same process.
+"""Overhead of the SFT and reward runners against a bare torch loop, measured in the same process.
 
-Same model (from the same from_pretrained folder), same tokenized rows, micro batch, AdamW
-settings, schedule and gradient clipping; the bare loop has no DeepSpeed, no logging, no framework.
+Same model (from the same from_pretrained folder), same tokenized rows (SFT) or pairs (reward:
+the pairwise loss on the score at each sequence's last token), micro batch, AdamW settings,
+schedule and gradient clipping; the bare loop has no DeepSpeed, no logging, no framework.
 Both run on the hardware preset's thread count. Prints one JSON line with seconds per optimizer
 step (median over windows of --window steps, first window dropped as warm-up) and the ratio
 runner / bare. Target: ratio <= 1.15.
 
-    python bench/sft_overhead.py                                   # tiny-llama, zero 0
-    python bench/sft_overhead.py --steps 300 model.hidden_size=256 model.num_layers=4 zero=2
+    python bench/step_overhead.py                                  # SFT, tiny-llama, zero 0
+    python bench/step_overhead.py step=reward zero=2
+    python bench/step_overhead.py --steps 300 model.hidden_size=256 model.num_layers=4 zero=2
 """
 
 from __future__ import annotations
@@ -37,18 +39,37 @@ def bare_loop(cfg, steps: int, window: int) -> tuple[list[float], int]:
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
 
-    from rlhf import models
+    from rlhf import losses, models
     from rlhf.data.blend import DataReport, load_step_data
-    from rlhf.data.tokenize import PadCollator, sft_dataset
+    from rlhf.data.tokenize import PadCollator, PairCollator, pair_dataset, sft_dataset
     from rlhf.engine import SCHEDULERS
 
     path = models.resolve_path(cfg.model)
     tok = models.load_tokenizer(path)
-    rows, _ = load_step_data(cfg.data, "sft", DataReport())
-    ds = sft_dataset(rows, tok, cfg.step.max_seq_len, cfg.step.loss_on, DataReport(), "train")
+    reward = cfg.step.name == "reward"
+    rows, _ = load_step_data(cfg.data, cfg.step.name, DataReport())
+    if reward:
+        ds = pair_dataset(rows, tok, cfg.step.max_seq_len, DataReport(), "train")
+        collate = PairCollator(tok.pad_token_id)
+        model = models.load_reward_model(path, tok, dropout=cfg.model.dropout)
+    else:
+        ds = sft_dataset(rows, tok, cfg.step.max_seq_len, cfg.step.loss_on, DataReport(), "train")
+        collate = PadCollator(tok.pad_token_id)
+        model = models.load_causal_lm(path, tok, dropout=cfg.model.dropout)
     loader = DataLoader(ds, batch_size=cfg.step.micro_batch_size_per_device, shuffle=True, drop_last=True,
-                        collate_fn=PadCollator(tok.pad_token_id), generator=torch.Generator().manual_seed(cfg.seed))
-    model = models.load_causal_lm(path, tok, dropout=cfg.model.dropout)
+                        collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed))
+
+    def loss_of(batch):
+        if not reward:
+            return model(**batch).loss
+        scores = losses.gather_at(model(batch["input_ids"], batch["attention_mask"]),
+                                  losses.end_indices(batch["attention_mask"]))
+        chosen, rejected = scores.chunk(2)
+        loss = losses.pairwise_loss(chosen, rejected)
+        if cfg.step.score_regularizer:
+            loss = loss + cfg.step.score_regularizer * losses.score_regularizer(chosen, rejected)
+        return loss
+
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                             weight_decay=cfg.optim.weight_decay, foreach=True)
@@ -58,7 +79,7 @@ def bare_loop(cfg, steps: int, window: int) -> tuple[list[float], int]:
     start = time.perf_counter()
     while step < steps:
         for batch in loader:
-            loss = model(**batch).loss
+            loss = loss_of(batch)
             loss.backward()
             if cfg.optim.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -110,7 +131,7 @@ def main() -> None:
     from rlhf.launch_step import cpu_bf16
 
     print(json.dumps({
-        "model": cfg.model.name, "hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,
+        "step": cfg.step.name, "model": cfg.model.name, "hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,
         "precision": cfg.hardware.precision, "cpu_bf16": cpu_bf16(),
         "zero": cfg.zero.stage, "micro_batch": cfg.step.micro_batch_size_per_device, "steps": args.steps,
         "threads": cfg.hardware.torch_threads, "bare_s_per_step": round(bare, 5), "runner_s_per_step": round(ours, 5),
