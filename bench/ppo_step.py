@@ -156,7 +156,7 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
             attn = torch.ones_like(seq)
             rmask = torch.ones_like(response, dtype=torch.float32)
 
-            def answer_logits(model):
+            def answer_logits(model, seq=seq, attn=attn):
                 if lean:  # the LM head on the answer positions only
                     return model(input_ids=seq, attention_mask=attn, logits_to_keep=NEW_TOKENS + 1).logits[:, :-1]
                 return model(input_ids=seq, attention_mask=attn).logits[:, start:-1]
