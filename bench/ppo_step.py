@@ -39,16 +39,16 @@ MODEL = ["model=tiny-opt", "model.name=bench-opt-256", "model.hidden_size=256", 
 PROMPT_TOKENS, NEW_TOKENS, PROMPTS = 64, 64, 4
 
 
-def write_prompts(folder: Path, tokenizer, n: int, prompt_tokens: int = PROMPT_TOKENS) -> None:
-    """Prompts of exactly prompt_tokens tokens (bos included), in DeepSpeed-Chat's columns."""
+def write_prompts(folder: Path, tokenizer, n: int) -> None:
+    """Prompts of exactly PROMPT_TOKENS tokens (bos included), in DeepSpeed-Chat's columns."""
     rng = random.Random(0)
     rows = []
     while len(rows) < n:
-        words = " ".join(rng.choice(string.ascii_lowercase) for _ in range(prompt_tokens))
+        words = " ".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_TOKENS))
         prompt = f" Human: {words}"
-        ids = tokenizer(prompt).input_ids[:prompt_tokens]
+        ids = tokenizer(prompt).input_ids[:PROMPT_TOKENS]
         prompt = tokenizer.decode(ids, skip_special_tokens=True)
-        if len(tokenizer(prompt).input_ids) == prompt_tokens:
+        if len(tokenizer(prompt).input_ids) == PROMPT_TOKENS:
             rows.append({"prompt": prompt, "chosen": " a", "rejected": " b"})
     for split in ("train", "eval"):
         with open(folder / f"{split}.jsonl", "w") as f:
@@ -139,6 +139,12 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
     start = PROMPT_TOKENS - 1  # logits at start predict the first answer token
     sampling = {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
     lean = kind == "lean"
+
+    def answer_logits(model, seq, attn):
+        if lean:  # the LM head on the answer positions only
+            return model(input_ids=seq, attention_mask=attn, logits_to_keep=NEW_TOKENS + 1).logits[:, :-1]
+        return model(input_ids=seq, attention_mask=attn).logits[:, start:-1]
+
     times = []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
@@ -156,13 +162,8 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
             attn = torch.ones_like(seq)
             rmask = torch.ones_like(response, dtype=torch.float32)
 
-            def answer_logits(model, seq=seq, attn=attn):
-                if lean:  # the LM head on the answer positions only
-                    return model(input_ids=seq, attention_mask=attn, logits_to_keep=NEW_TOKENS + 1).logits[:, :-1]
-                return model(input_ids=seq, attention_mask=attn).logits[:, start:-1]
-
-            old_logprobs = losses.token_logprobs(answer_logits(actor), response, s.temperature)
-            ref_logprobs = losses.token_logprobs(answer_logits(ref), response, s.temperature)
+            old_logprobs = losses.token_logprobs(answer_logits(actor, seq, attn), response, s.temperature)
+            ref_logprobs = losses.token_logprobs(answer_logits(ref, seq, attn), response, s.temperature)
             old_values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
             score = losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float()
             kl = losses.kl_penalty(old_logprobs, ref_logprobs, "k1")
@@ -171,9 +172,7 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
             advantages = losses.masked_whiten(advantages, rmask)
         t2 = time.perf_counter()
         actor.train()
-        logits = (actor(input_ids=seq, attention_mask=attn, logits_to_keep=NEW_TOKENS + 1).logits[:, :-1] if lean
-                  else actor(input_ids=seq, attention_mask=attn).logits[:, start:-1])
-        logprobs = losses.token_logprobs(logits, response, s.temperature)
+        logprobs = losses.token_logprobs(answer_logits(actor, seq, attn), response, s.temperature)
         losses.policy_loss(logprobs, old_logprobs, advantages, rmask, s.clip_range)[0].backward()
         opt_actor.step()
         opt_actor.zero_grad(set_to_none=True)
