@@ -9,6 +9,15 @@ attention mask where the model takes them, eos stopping, temperature / top-k / t
 and, with the same RNG state, the same samples (tests/test_decode.py). ``synced`` keeps every rank
 stepping until all are done: ZeRO-3's layer-by-layer gathers are collectives.
 
+For the families in ``FORWARDS`` (LLaMA, OPT) the loop does not call the model's own forward at all
+when every weight is present (not ZeRO-3, or ZeRO-3 gathered whole): a short forward over the
+model's own submodules (so LoRA layers and any bias still apply) writes keys and values into a
+cache preallocated for prompt + answer and attends with one ``scaled_dot_product_attention``. It
+leaves out what transformers does per token for generality (mask building for every attention
+backend, cache-class dispatch, output dataclasses, input checks), which at rollout sizes costs as
+much as the arithmetic. Other families, and ZeRO-3 with layer-by-layer gathers, use the model's
+forward; tests check both give the tokens ``generate`` gives.
+
     python bench/decode.py          # tokens/s of this loop against HF generate, same model and batch
 """
 
@@ -18,6 +27,7 @@ import inspect
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def _filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -47,10 +57,103 @@ def next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
 def accepts(model, name: str) -> bool:
     """Whether the model's forward takes ``name``, looking through a DeepSpeed engine and a PEFT
     wrapper (whose forward takes ``**kwargs`` and hands them on to the model it wraps)."""
+    return name in inspect.signature(_base(model).forward).parameters
+
+
+def _base(model):
+    """The transformers model inside a DeepSpeed engine and a PEFT wrapper (LoRA layers sit inside it)."""
     model = getattr(model, "module", model)
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return name in inspect.signature(model.forward).parameters
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _llama_forward(model, ids, pos, cache, start, mask):
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, position_ids=pos)
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, k, v = (_heads(proj(x), attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        h = h + attn.o_proj(cache.attend(i, q, k, v, start, mask, attn.scaling))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(inner.norm(h[:, -1]))
+
+
+def _opt_forward(model, ids, pos, cache, start, mask):
+    dec = model.model.decoder
+    h = dec.embed_tokens(ids)
+    if dec.project_in is not None:
+        h = dec.project_in(h)
+    h = h + dec.embed_positions.weight[pos + dec.embed_positions.offset]
+    for i, layer in enumerate(dec.layers):
+        attn, pre = layer.self_attn, layer.do_layer_norm_before
+        x = layer.self_attn_layer_norm(h) if pre else h
+        # OPT scales the query before the product, not the scores (its own order, kept for equality).
+        q = _heads(attn.q_proj(x) * attn.scaling, attn.head_dim)
+        k, v = _heads(attn.k_proj(x), attn.head_dim), _heads(attn.v_proj(x), attn.head_dim)
+        h = h + attn.out_proj(cache.attend(i, q, k, v, start, mask, 1.0))
+        if not pre:
+            h = layer.self_attn_layer_norm(h)
+        x = layer.final_layer_norm(h) if pre else h
+        h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        if not pre:
+            h = layer.final_layer_norm(h)
+    h = h[:, -1]
+    if dec.final_layer_norm is not None:
+        h = dec.final_layer_norm(h)
+    if dec.project_out is not None:
+        h = dec.project_out(h)
+    return model.lm_head(h)
+
+
+# Family forwards by transformers class name; a family not here decodes through its own forward.
+FORWARDS = {"LlamaForCausalLM": _llama_forward, "OPTForCausalLM": _opt_forward}
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[batch, time, heads * head_dim] -> [batch, heads, time, head_dim]."""
+    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (LLaMA's rotate-half form); cos/sin [batch, time, head_dim]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)
+
+
+class _Cache:
+    """Keys and values for prompt + answer, allocated once: [batch, kv_heads, length, head_dim] per layer."""
+
+    def __init__(self):
+        self.keys, self.values = {}, {}
+
+    def attend(self, layer: int, q, k, v, start: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Store this chunk's keys/values at ``start`` and attend over the cache up to its end under
+        ``mask`` [batch, 1, time, end]; the output as [batch, time, heads * head_dim]."""
+        end = start + k.shape[2]
+        if layer not in self.keys:
+            shape = (k.shape[0], k.shape[1], mask.shape[-1], k.shape[3])
+            self.keys[layer], self.values[layer] = k.new_empty(shape), v.new_empty(shape)
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        out = F.scaled_dot_product_attention(q, self.keys[layer][:, :, :end], self.values[layer][:, :, :end],
+                                             attn_mask=mask[..., :end], scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def _own_forward(model):
+    """The family forward for ``model`` when every weight of it is present, else None."""
+    base = _base(model)
+    forward = FORWARDS.get(type(base).__name__)
+    if forward is None:
+        return None
+    # ZeRO-3 partitions (ds_status NOT_AVAILABLE) are gathered by hooks on the model's own forward only.
+    if any(getattr(p, "ds_status", None) is not None and p.ds_status.name != "AVAILABLE" for p in base.parameters()):
+        return None
+    return lambda *args: forward(base, *args)
 
 
 @torch.no_grad()
@@ -58,27 +161,14 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
            pad_id: int, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            min_new_tokens: int = 0, synced: bool = False) -> torch.Tensor:
     """New tokens [batch, <= max_new_tokens] for left-padded prompts; after a row's eos, pad."""
-    from transformers import DynamicCache
-
+    own = _own_forward(model)
+    step = _own_steps(own, input_ids, attention_mask, max_new_tokens) if own else \
+        _model_steps(model, input_ids, attention_mask)
     batch = input_ids.shape[0]
-    attn = attention_mask.long()
-    kwargs = {}
-    # The prompt's forward needs the lm head at its last position only, where the model allows it.
-    first = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
-    positions = accepts(model, "position_ids")
-    if positions:
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        kwargs["position_ids"] = pos
-        next_pos = pos[:, -1:] + 1
-    # Transformers 5 names the cache argument `cache`; earlier versions and some families `past_key_values`.
-    cache_arg = "cache" if accepts(model, "cache") else "past_key_values"
-    kwargs[cache_arg] = DynamicCache()  # filled in place by every forward
-    out = model(input_ids=input_ids, attention_mask=attn, use_cache=True, **kwargs, **first)
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     tokens = []
-    ones = torch.ones(batch, 1, dtype=attn.dtype, device=attn.device)
+    logits = step(None)
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1]
         if t < min_new_tokens:
             logits = logits.clone()
             logits[:, eos_id] = float("-inf")
@@ -87,15 +177,71 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         tokens.append(tok)
         done = done | (tok == eos_id)
         finished = done.all()
-        if synced:  # every rank runs as many forwards as the slowest (ZeRO-3 gathers are collectives)
+        # Every rank runs as many forwards as the slowest where the model's forward gathers ZeRO-3
+        # weights (collectives); our own forward runs none.
+        if synced and own is None:
             flag = (~finished).float().reshape(1)
             dist.all_reduce(flag)
             finished = flag.item() == 0
         if finished or t == max_new_tokens - 1:
             break
-        attn = torch.cat([attn, ones], dim=1)
-        if positions:
-            kwargs["position_ids"] = next_pos
-            next_pos = next_pos + 1
-        out = model(input_ids=tok.unsqueeze(1), attention_mask=attn, use_cache=True, **kwargs)
+        logits = step(tok)
     return torch.stack(tokens, dim=1)
+
+
+def _own_steps(own, input_ids, attention_mask, max_new_tokens):
+    """step(None) runs the prompt, step(tok) one new token; each returns the last position's logits."""
+    batch, prompt = input_ids.shape
+    valid = torch.ones(batch, prompt + max_new_tokens, dtype=torch.bool, device=input_ids.device)
+    valid[:, :prompt] = attention_mask.bool()
+    # The prompt attends causally over its own valid tokens; a padding position attends to itself too,
+    # so that no row of the softmax is empty (its output is never read).
+    at = torch.arange(prompt, device=input_ids.device)
+    causal = at[None, :] <= at[:, None]
+    prompt_mask = (valid[:, None, :prompt] & causal) | torch.eye(prompt, dtype=torch.bool, device=input_ids.device)
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = _Cache()
+    mask = valid[:, None, None, :]
+    state = {"at": prompt, "pos": pos[:, -1:]}
+
+    def step(tok):
+        if tok is None:
+            full = torch.zeros(batch, 1, prompt, prompt + max_new_tokens, dtype=torch.bool, device=input_ids.device)
+            full[:, 0, :, :prompt] = prompt_mask
+            return own(input_ids, pos, cache, 0, full)
+        state["pos"] = state["pos"] + 1
+        logits = own(tok.unsqueeze(1), state["pos"], cache, state["at"], mask)
+        state["at"] += 1
+        return logits
+    return step
+
+
+def _model_steps(model, input_ids, attention_mask):
+    """The same steps through the model's own forward and a transformers cache."""
+    from transformers import DynamicCache
+
+    attn = attention_mask.long()
+    kwargs = {}
+    # The prompt's forward needs the lm head at its last position only, where the model allows it.
+    first = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+    positions = accepts(model, "position_ids")
+    state = {}
+    if positions:
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        kwargs["position_ids"] = pos
+        state["pos"] = pos[:, -1:]
+    # Transformers 5 names the cache argument `cache`; earlier versions and some families `past_key_values`.
+    cache_arg = "cache" if accepts(model, "cache") else "past_key_values"
+    kwargs[cache_arg] = DynamicCache()  # filled in place by every forward
+    ones = torch.ones(attn.shape[0], 1, dtype=attn.dtype, device=attn.device)
+    state["attn"] = attn
+
+    def step(tok):
+        if tok is None:
+            return model(input_ids=input_ids, attention_mask=attn, use_cache=True, **kwargs, **first).logits[:, -1]
+        state["attn"] = torch.cat([state["attn"], ones], dim=1)
+        if positions:
+            state["pos"] = state["pos"] + 1
+            kwargs["position_ids"] = state["pos"]
+        return model(input_ids=tok.unsqueeze(1), attention_mask=state["attn"], use_cache=True, **kwargs).logits[:, -1]
+    return step

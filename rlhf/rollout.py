@@ -166,8 +166,10 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
     zero3 = actor.zero_optimization_stage() == 3
     gathered = gathered_whole(actor) if zero3 and gather_whole else contextlib.nullcontext()
     with gathered:
-        # Synced even when gathered: the root's start-of-forward hook stays, and it may run a
-        # collective while the fetch trace is recorded, so every rank runs the same number of forwards.
+        # Synced even when gathered, for families decoded through the model's own forward: the root's
+        # start-of-forward hook stays, and it may run a collective while the fetch trace is recorded,
+        # so every rank runs the same number of forwards. Our family forwards (decode.FORWARDS) call
+        # no hook and skip the sync.
         out = decode(actor.module, batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device),
                      max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample, temperature, top_k,
                      top_p, min_new_tokens, synced=zero3 and dist.get_world_size() > 1)

@@ -79,3 +79,63 @@ def test_lora_wrapped_model_decodes_and_scores_like_the_bare_one(family):
         assert torch.equal(decode(lora, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id,
                                   tok.pad_token_id), bare)
         assert torch.allclose(answer_logits(lora, seq, attn, pos, start), full, atol=1e-5)
+
+
+def _config_model(family: str):
+    """Small random models of the shapes the family forwards must handle beyond the tiny defaults:
+    grouped-query attention and llama3 rope scaling; OPT-350m's post-norm layers with projections
+    in and out of a narrower embedding; and a family without a forward of ours (GPT-2)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+
+    configs = {
+        "llama-gqa-rope3": LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 16}),
+        "opt-350m-shape": OPTConfig(vocab_size=300, hidden_size=64, word_embed_proj_dim=32, ffn_dim=96,
+                                    num_hidden_layers=2, num_attention_heads=4, do_layer_norm_before=False,
+                                    max_position_embeddings=64),
+        "gpt2": GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+    }
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(configs[family], attn_implementation="sdpa").eval()
+
+
+def _left_padded(vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (3, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[2, :1] = 0, 0
+    return ids.masked_fill(mask == 0, 1), mask
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "llama-gqa-rope3", "opt-350m-shape"])
+def test_own_forward_gives_the_model_s_logits_at_every_step(family):
+    """Our family forward (preallocated cache, one attention call per layer) against the model's own
+    forward, token by token over a left-padded batch: the same logits to float precision."""
+    from rlhf.decode import _model_steps, _own_forward, _own_steps
+
+    model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
+    ids, mask = _left_padded(model.config.vocab_size)
+    own = _own_forward(model)
+    assert own is not None, "this family has a forward of ours"
+    ours, theirs = _own_steps(own, ids, mask, 6), _model_steps(model, ids, mask)
+    tok = None
+    with torch.no_grad():
+        for _ in range(6):
+            a, b = ours(tok), theirs(tok)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+            tok = b.argmax(-1)
+
+
+def test_a_family_without_our_forward_decodes_through_its_own():
+    model = _config_model("gpt2")
+    from rlhf.decode import _own_forward
+
+    assert _own_forward(model) is None
+    ids, mask = _left_padded(model.config.vocab_size)
+    ours = decode(model, ids, mask, 6, eos_id=2, pad_id=1)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                            eos_token_id=2, pad_token_id=1)[:, ids.shape[1]:]
+    assert torch.equal(ours, theirs[:, :ours.shape[1]])
