@@ -126,21 +126,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class _Cache:
     """Keys and values for prompt + answer, allocated once: [batch, kv_heads, length, head_dim] per layer."""
 
-    def __init__(self):
-        self.keys, self.values = {}, {}
+    def __init__(self, length: int):
+        self.length, self.keys, self.values = length, {}, {}
 
     def attend(self, layer: int, q, k, v, start: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this chunk's keys/values at ``start`` and attend over the cache up to its end under
         ``mask`` [batch, 1, time, end]; the output as [batch, time, heads * head_dim]."""
         end = start + k.shape[2]
         if layer not in self.keys:
-            shape = (k.shape[0], k.shape[1], mask.shape[-1], k.shape[3])
+            shape = (k.shape[0], k.shape[1], self.length, k.shape[3])
             self.keys[layer], self.values[layer] = k.new_empty(shape), v.new_empty(shape)
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
         out = F.scaled_dot_product_attention(q, self.keys[layer][:, :, :end], self.values[layer][:, :, :end],
-                                             attn_mask=mask[..., :end], scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+                                             attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
@@ -192,24 +191,24 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
 def _own_steps(own, input_ids, attention_mask, max_new_tokens):
     """step(None) runs the prompt, step(tok) one new token; each returns the last position's logits."""
     batch, prompt = input_ids.shape
-    valid = torch.ones(batch, prompt + max_new_tokens, dtype=torch.bool, device=input_ids.device)
-    valid[:, :prompt] = attention_mask.bool()
-    # The prompt attends causally over its own valid tokens; a padding position attends to itself too,
-    # so that no row of the softmax is empty (its output is never read).
-    at = torch.arange(prompt, device=input_ids.device)
-    causal = at[None, :] <= at[:, None]
-    prompt_mask = (valid[:, None, :prompt] & causal) | torch.eye(prompt, dtype=torch.bool, device=input_ids.device)
+    device = input_ids.device
+    valid = torch.ones(batch, 1, 1, prompt + max_new_tokens, dtype=torch.bool, device=device)
+    valid[..., :prompt] = attention_mask.bool()[:, None, None]
     pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = _Cache()
-    mask = valid[:, None, None, :]
+    cache = _Cache(prompt + max_new_tokens)
     state = {"at": prompt, "pos": pos[:, -1:]}
 
     def step(tok):
         if tok is None:
-            full = torch.zeros(batch, 1, prompt, prompt + max_new_tokens, dtype=torch.bool, device=input_ids.device)
-            full[:, 0, :, :prompt] = prompt_mask
-            return own(input_ids, pos, cache, 0, full)
+            # The prompt attends causally over its own valid tokens; a padding position attends to
+            # itself too, so that no row of the softmax is empty (its output is never read).
+            at = torch.arange(prompt, device=device)
+            mask = (valid[..., :prompt] & (at[None, :] <= at[:, None])) | torch.eye(prompt, dtype=torch.bool,
+                                                                                      device=device)
+            return own(input_ids, pos, cache, 0, mask)
         state["pos"] = state["pos"] + 1
+        # Sliced once per token, contiguous: attention over a strided mask costs twice as much, per layer.
+        mask = valid[..., :state["at"] + 1].contiguous()
         logits = own(tok.unsqueeze(1), state["pos"], cache, state["at"], mask)
         state["at"] += 1
         return logits
