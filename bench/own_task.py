@@ -46,11 +46,21 @@ def score(prompt, answer):
 def row(rng: random.Random) -> dict:
     letters = [rng.choice("abcdefgh") for _ in range(rng.randint(4, 7))]
     right = list(dict.fromkeys(letters))
+    # Rejected answers as a user would collect them: whole-answer mistakes (duplicates kept, sorted,
+    # reversed) and the near misses a learning policy makes -- two neighbours swapped, a letter left
+    # out anywhere, a letter written twice, a letter replaced. Pairs with only the first kind taught
+    # a reward model that PPO gamed from its first evaluation (README, "Your own data").
+    i = rng.randrange(len(right))
+    j = min(i + 1, len(right) - 1)
+    swapped = right[:i] + [right[j], right[i]] + right[j + 1:] if j > i else right[::-1]
     wrong = rng.choice([
-        letters,  # duplicates kept
-        sorted(right),  # sorted instead of first-occurrence order
-        right[:-1] if len(right) > 1 else right + [right[0]],  # one letter missing
-        right[::-1] if len(right) > 1 else right * 2,  # reversed
+        letters,
+        sorted(right),
+        right[::-1],
+        swapped,
+        right[:i] + right[i + 1:],
+        right[:i + 1] + [right[i]] + right[i + 1:],
+        right[:i] + [rng.choice([c for c in "abcdefgh" if c != right[i]])] + right[i + 1:],
     ])
     if wrong == right:
         wrong = right + [right[0]]
