@@ -14,6 +14,7 @@ Prints the chain's figures and one JSON line; the target is PPO above SFT.
 
     python bench/own_task.py --out /tmp/own_task
     python bench/own_task.py --out /tmp/own_task --seed 2 pipeline.ppo.step.epochs=3
+    python bench/own_task.py --out /tmp/own_task_rule --rule-reward   # the user's rule as PPO's reward
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_own_task")
     ap.add_argument("--rows", type=int, default=40000, help="train rows (the 2,4,4 split shares them)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rule-reward", action="store_true",
+                    help="PPO rewarded by the user's rule instead of a reward model (SFT -> PPO)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for the chain")
     args = ap.parse_args()
     out = args.out.resolve()
@@ -85,6 +88,9 @@ def main() -> None:
     command = [sys.executable, str(ROOT / "launch.py"), "pipeline=e2e", f"data.sources=[{{path: {out / 'data'}}}]",
                "data.rule=dedupe_rule:score", f"seed={args.seed}", "logging.progress_bar=false", *args.overrides,
                f"run_dir={out / 'chain'}"]
+    if args.rule_reward:  # the README's "the rule as PPO's reward", inside the chain
+        command += ["pipeline.steps=[sft,ppo]", "pipeline.ppo.step.reward_fn=rule",
+                    "pipeline.ppo.step.reward_model_weight=0"]
     start = time.perf_counter()
     with open(out / "chain.log", "w") as log:  # from the user's folder, as they would run it
         proc = subprocess.run(command, cwd=out, stdout=log, stderr=subprocess.STDOUT,
@@ -99,15 +105,21 @@ def main() -> None:
     sys.path.insert(0, str(out))
     from dedupe_rule import score
 
-    final = {s: json.loads((out / "chain" / s / "final_metrics.json").read_text()) for s in ("sft", "reward", "ppo")}
+    steps = ("sft", "ppo") if args.rule_reward else ("sft", "reward", "ppo")
+    final = {s: json.loads((out / "chain" / s / "final_metrics.json").read_text()) for s in steps}
+    final.setdefault("reward", {})
     cfg = load_run_config(out / "chain" / "ppo" / "config.yaml")
     prompts = test_prompts(cfg)
     max_new = cfg.step.max_new_tokens
     result = {"task": "dedupe (not shipped), rule dedupe_rule:score", "seed": args.seed,
+              "ppo_reward": "rule" if args.rule_reward else "reward model",
               "sft_eval_acc": round(final["sft"]["eval/accuracy"], 4),
-              "reward_eval_acc": round(final["reward"]["eval/acc"], 4),
+              "reward_eval_acc": round(final["reward"].get("eval/acc", float("nan")), 4),
               "reward_rule_agreement": round(final["reward"].get("eval/rule_agreement", float("nan")), 4),
-              "ppo_eval_acc": round(final["ppo"]["eval/accuracy"], 4), "test_prompts": len(prompts),
+              "ppo_eval_acc": round(final["ppo"]["eval/accuracy"], 4),
+              "ppo_last_eval_acc": round(final["ppo"].get("eval/accuracy_last", final["ppo"]["eval/accuracy"]), 4),
+              "best_step": final["ppo"].get("best_step", final["ppo"]["step"]),
+              "ppo_warnings": len(final["ppo"].get("warnings", [])), "test_prompts": len(prompts),
               "test_sft": round(test_accuracy(out / "chain" / "sft" / "model", prompts, max_new, score), 4),
               "test_ppo": round(test_accuracy(out / "chain" / "ppo" / "model", prompts, max_new, score), 4),
               "wall_s": round(wall, 1)}
