@@ -37,7 +37,8 @@ def zero_block(zero: ZeroConfig, trainable: bool = True, offload: bool = False) 
         if zero.stage != 3 and not offload:
             return {"stage": 0}
         block = {"stage": 3, "stage3_param_persistence_threshold": zero.stage3_param_persistence_threshold,
-                 "stage3_prefetch_bucket_size": zero.stage3_prefetch_bucket_size}
+                 "stage3_prefetch_bucket_size": zero.stage3_prefetch_bucket_size,
+                 "memory_efficient_linear": zero.memory_efficient_linear}
         if offload:
             block["offload_param"] = {"device": "cpu", "pin_memory": zero.offload_param.pin_memory}
         elif zero.offload_param.device != "none":
@@ -55,6 +56,7 @@ def zero_block(zero: ZeroConfig, trainable: bool = True, offload: bool = False) 
         block.update(stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
                      stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                      stage3_max_live_parameters=zero.stage3_max_live_parameters,
+                     memory_efficient_linear=zero.memory_efficient_linear,
                      # Saving an HF model gathers weights itself (checkpoint.py); no 16-bit copy here.
                      stage3_gather_16bit_weights_on_model_save=False)
         if zero.offload_param.device != "none":
