@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from rlhf.config import ConfigError, quote_numeric_groups
+from rlhf.config import ConfigError, check_override_keys, quote_numeric_groups
 
 # The command as the user typed it, for the run directory, before numeric group names are quoted.
 COMMAND = [sys.executable, *sys.argv]
@@ -69,4 +69,10 @@ if __name__ == "__main__":
     # Hydra reads `zero=3` as the integer 3 and refuses it as a group choice; quote it as the
     # compose path (rlhf.config.compose_config) does.
     sys.argv[1:] = quote_numeric_groups(sys.argv[1:])
+    if not any(arg.startswith("-") for arg in sys.argv[1:]):  # one run, not a sweep or a Hydra flag
+        try:
+            check_override_keys(sys.argv[1:])
+        except ConfigError as err:
+            print(f"{err.kind} error: {err}", file=sys.stderr)
+            sys.exit(2)
     main()

@@ -967,6 +967,36 @@ def load_run_config(path: str | Path) -> Config:
 register_configs()  # importing the schemas makes them composable, by @hydra.main and compose alike
 
 
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse an override of a key the config lacks, naming the nearest known key (ConfigError).
+
+    Hydra refuses ``optim.lrr=1e-4`` itself, with a multi-line message, exit code 1 and the advice
+    to add the key with ``+`` (which to_schema then refuses); this composes first and says it in
+    one line. Other composition errors are left to Hydra's own message."""
+    import difflib
+
+    from hydra.errors import ConfigCompositionException
+
+    try:
+        compose_config(overrides)
+    except ConfigCompositionException as err:
+        found = re.search(r"Could not override '([^']+)'", str(err))
+        if not found:
+            return
+        key = found.group(1)
+        parent, _, _ = key.rpartition(".")
+        rest = [o for o in overrides if not o.split("=", 1)[0].lstrip("~+") == key]
+        try:
+            node = compose_config(rest)
+            node = OmegaConf.select(node, parent) if parent else node
+        except ConfigCompositionException:
+            node = None
+        known = [f"{parent}.{k}" if parent else str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        near = difflib.get_close_matches(key, known, n=1)
+        raise ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
+                                                                 "; `python launch.py --cfg job` shows them all")) from None
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """The config `python launch.py <overrides>` composes, inside a running Hydra app or outside.
 

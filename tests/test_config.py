@@ -184,6 +184,19 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_with_the_nearest
         to_schema(compose(["+foo.bar=1"]))
 
 
+def test_a_misspelled_key_on_the_command_line_is_one_line_exit_2_with_the_nearest_key(tmp_path):
+    """Without `+`, Hydra itself refuses the key (6 lines, exit 1, advice to add `+`): we say it in one."""
+    from rlhf.config import check_override_keys
+
+    with pytest.raises(ConfigError, match=r"step.kl_coeff is not a key of the config; did you mean step.kl_coef\?"):
+        check_override_keys(["step=ppo", "step.kl_coeff=0.1"])
+    check_override_keys(["step=ppo", "step.kl_coef=0.1", "zero=3"])  # known keys pass
+    proc = run_cli("optim.lrr=1e-4", f"run_dir={tmp_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "config error: optim.lrr is not a key of the config; did you mean optim.lr?"
+    assert not (tmp_path / "config.yaml").exists()
+
+
 def test_a_model_folder_that_does_not_exist_is_refused_before_anything_loads(tmp_path):
     from rlhf.launch import run
 
