@@ -154,12 +154,13 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 30_000_000
     # Stage 3: most parameters held gathered at once, per rank.
     stage3_max_live_parameters: int = 30_000_000
-    # Stage 3: DeepSpeed's memory-efficient linear. On, it replaces torch.nn.functional.linear for
-    # the whole process, for good (every model and every linear, rollouts included), with an
-    # autograd Function that saves only the input; off, a linear saves its partitioned weight,
-    # which ZeRO-3 gathers again for the backward anyway. Measured: the replacement made each
-    # ZeRO-3 rollout token ~25% slower on 2 CPU ranks (bench/zero3_generate.py).
-    memory_efficient_linear: bool = False
+    # Stage 3: DeepSpeed's memory-efficient linear (its default, on). It replaces
+    # torch.nn.functional.linear for the whole process with an autograd Function whose saved weight
+    # does not keep the gathered copy alive, so each layer's weights are freed after its forward;
+    # off, every linear holds its gathered weight until the backward (the whole model's weights at
+    # once: small models only). Its per-call overhead cost ZeRO-3 rollouts ~25% per token on 2 CPU
+    # ranks, so rollouts gathered whole use torch's own linear either way (rlhf.rollout).
+    memory_efficient_linear: bool = True
 
     def __post_init__(self) -> None:
         _choice("zero.stage", self.stage, (0, 1, 2, 3))

@@ -96,8 +96,20 @@ def test_frozen_engine_runs_forward_without_gradients(zero):
     ids = torch.tensor([tok(" Human: sort d b a c Assistant:").input_ids])
     with torch.no_grad():
         assert torch.allclose(engine(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
-    # DeepSpeed's memory-efficient linear (off by default) would have replaced F.linear for the process.
-    assert torch.nn.functional.linear is torch._C._nn.linear, torch.nn.functional.linear
+    if zero == "3":
+        # DeepSpeed's memory-efficient linear (on, its default) replaces F.linear for the process;
+        # a rollout gathered whole runs torch's own and puts DeepSpeed's back.
+        from rlhf.rollout import gathered_whole
+
+        patched = torch.nn.functional.linear
+        assert patched is not torch._C._nn.linear
+        with gathered_whole(engine), torch.no_grad():
+            assert torch.nn.functional.linear is torch._C._nn.linear
+            assert torch.allclose(engine.module(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
+        assert torch.nn.functional.linear is patched
+    assert ds_config(cfg, trainable=False)["zero_optimization"].get("memory_efficient_linear", True)
+    off = to_schema(compose([f"zero={zero}", "zero.memory_efficient_linear=false"]))
+    assert ds_config(off)["zero_optimization"].get("memory_efficient_linear") is (False if zero == "3" else None)
 
 
 def test_frozen_offload_keeps_parameters_in_host_memory_at_any_stage():
