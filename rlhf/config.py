@@ -932,16 +932,21 @@ def _unknown_keys(node: DictConfig, prefix: str = ""):
             yield from _unknown_keys(child, f"{prefix}{key}.")
 
 
-def to_schema(cfg: DictConfig) -> Config:
-    """Resolve and instantiate the composed config, running every ``__post_init__`` check."""
+def _not_a_key(key: str, known: list[str]) -> ConfigError:
+    """The one-line refusal of a key the config lacks, naming the nearest known key."""
     import difflib
 
+    near = difflib.get_close_matches(key, known, n=1)
+    return ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
+                                                              "; `python launch.py --cfg job` shows them all"))
+
+
+def to_schema(cfg: DictConfig) -> Config:
+    """Resolve and instantiate the composed config, running every ``__post_init__`` check."""
     from omegaconf.errors import OmegaConfBaseException
 
     for key, known in _unknown_keys(cfg):
-        near = difflib.get_close_matches(key, known, n=1)
-        raise ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
-                                                                 "; `python launch.py --cfg job` shows them all"))
+        raise _not_a_key(key, known)
 
     try:
         obj = OmegaConf.to_object(cfg)
@@ -974,8 +979,6 @@ def check_override_keys(overrides: list[str]) -> None:
     Hydra refuses ``optim.lrr=1e-4`` itself, with a multi-line message, exit code 1 and the advice
     to add the key with ``+`` (which to_schema then refuses); this composes first and says it in
     one line. Other composition errors are left to Hydra's own message."""
-    import difflib
-
     from hydra.errors import ConfigCompositionException
 
     try:
@@ -993,9 +996,7 @@ def check_override_keys(overrides: list[str]) -> None:
         except ConfigCompositionException:
             node = None
         known = [f"{parent}.{k}" if parent else str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-        near = difflib.get_close_matches(key, known, n=1)
-        raise ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
-                                                                 "; `python launch.py --cfg job` shows them all")) from None
+        raise _not_a_key(key, known) from None
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
