@@ -31,14 +31,16 @@ def zero_block(zero: ZeroConfig, trainable: bool = True, offload: bool = False) 
     ``offload`` (frozen models only) keeps their parameters in host memory under ZeRO-3, as
     DeepSpeed-Chat's --offload_reference_model does, whatever the training stage.
     """
+    # What partitions parameters, for trained and frozen models alike.
+    stage3 = {"stage3_param_persistence_threshold": zero.stage3_param_persistence_threshold,
+              "stage3_prefetch_bucket_size": zero.stage3_prefetch_bucket_size,
+              "memory_efficient_linear": zero.memory_efficient_linear}
     if not trainable:
         # A frozen model has no gradients or optimizer states: only parameter partitioning (and
         # its offload) can save memory, so anything below stage 3 is plain inference.
         if zero.stage != 3 and not offload:
             return {"stage": 0}
-        block = {"stage": 3, "stage3_param_persistence_threshold": zero.stage3_param_persistence_threshold,
-                 "stage3_prefetch_bucket_size": zero.stage3_prefetch_bucket_size,
-                 "memory_efficient_linear": zero.memory_efficient_linear}
+        block = {"stage": 3, **stage3}
         if offload:
             block["offload_param"] = {"device": "cpu", "pin_memory": zero.offload_param.pin_memory}
         elif zero.offload_param.device != "none":
@@ -53,10 +55,7 @@ def zero_block(zero: ZeroConfig, trainable: bool = True, offload: bool = False) 
         block["offload_optimizer"] = {"device": zero.offload_optimizer.device,
                                       "pin_memory": zero.offload_optimizer.pin_memory}
     if zero.stage == 3:
-        block.update(stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
-                     stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
-                     stage3_max_live_parameters=zero.stage3_max_live_parameters,
-                     memory_efficient_linear=zero.memory_efficient_linear,
+        block.update(stage3, stage3_max_live_parameters=zero.stage3_max_live_parameters,
                      # Saving an HF model gathers weights itself (checkpoint.py); no 16-bit copy here.
                      stage3_gather_16bit_weights_on_model_save=False)
         if zero.offload_param.device != "none":

@@ -36,6 +36,13 @@ def test_zero_block_matches_the_file(zero):
     assert "offload_optimizer" not in frozen["zero_optimization"]
     assert frozen["zero_optimization"].get("offload_param", {}).get("device") == param_off
     assert "gradient_clipping" not in frozen
+    # DeepSpeed's memory-efficient linear: its default, on, wherever stage 3 partitions; off on request.
+    assert block.get("memory_efficient_linear") is (True if stage == 3 else None)
+    assert frozen["zero_optimization"].get("memory_efficient_linear") is (True if stage == 3 else None)
+    off = to_schema(compose([f"zero={zero}", "zero.memory_efficient_linear=false"]))
+    for trainable in (True, False):
+        assert ds_config(off, trainable)["zero_optimization"].get("memory_efficient_linear") is \
+            (False if stage == 3 else None)
 
 
 @pytest.mark.parametrize("micro,accum,world_nodes,world_devices", [(8, 1, 1, 1), (4, 4, 1, 1), (2, 3, 2, 4)])
@@ -107,9 +114,6 @@ def test_frozen_engine_runs_forward_without_gradients(zero):
             assert torch.nn.functional.linear is torch._C._nn.linear
             assert torch.allclose(engine.module(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
         assert torch.nn.functional.linear is patched
-    assert ds_config(cfg, trainable=False)["zero_optimization"].get("memory_efficient_linear", True)
-    off = to_schema(compose([f"zero={zero}", "zero.memory_efficient_linear=false"]))
-    assert ds_config(off)["zero_optimization"].get("memory_efficient_linear") is (False if zero == "3" else None)
 
 
 def test_frozen_offload_keeps_parameters_in_host_memory_at_any_stage():
