@@ -8,8 +8,9 @@ DeepSpeed, no runner:
 
 - naive: the way DeepSpeed-Chat's step 3 does it -- HF ``generate``, four full scoring forwards
   (actor, reference, critic, reward), an actor and a critic forward/backward/AdamW step;
-- lean: the same work written for speed -- the lean decode loop (rlhf/decode.py), scoring forwards
-  that run the LM head on the answer positions only (``logits_to_keep``), the same updates.
+- lean: the runner's work written for speed -- the lean decode loop (rlhf/decode.py) keeping the
+  sampler's log-probs (no actor scoring forward, as step.old_logprobs=rollout), scoring forwards that
+  run the LM head on the answer positions only (``logits_to_keep``), the same updates.
 
 Prints one JSON line of medians over the rounds: per-phase seconds (generate, experience = generate
 plus the scoring forwards, train, step) for ours and each floor, ``ratio_to_naive`` and
@@ -143,8 +144,9 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
     dtype = torch.bfloat16
     actor, ref = load_causal_lm(path, tok, dtype), load_causal_lm(path, tok, dtype).eval()
     critic, reward = load_reward_model(path, tok, dtype), load_reward_model(path, tok, dtype).eval()
-    opt_actor = torch.optim.AdamW(actor.parameters(), lr=1e-5)  # the rate does not change the time
-    opt_critic = torch.optim.AdamW(critic.parameters(), lr=1e-5)
+    # Fused, as DeepSpeed-Chat's FusedAdam and the runner's AdamW are; the rate does not change the time.
+    opt_actor = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)
+    opt_critic = torch.optim.AdamW(critic.parameters(), lr=1e-5, fused=True)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(10, len(tok), (PROMPTS, PROMPT_TOKENS), generator=gen)
     ids[:, 0] = tok.bos_token_id
@@ -164,8 +166,8 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
         actor.eval()
         with torch.no_grad():
             if lean:
-                response = decode(actor, ids, mask, NEW_TOKENS, tok.eos_token_id, tok.pad_token_id,
-                                  min_new_tokens=NEW_TOKENS, **sampling)
+                response, old_logprobs = decode(actor, ids, mask, NEW_TOKENS, tok.eos_token_id, tok.pad_token_id,
+                                                min_new_tokens=NEW_TOKENS, with_logprobs=True, **sampling)
             else:
                 response = actor.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                           min_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_id,
@@ -175,7 +177,8 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
             attn = torch.ones_like(seq)
             rmask = torch.ones_like(response, dtype=torch.float32)
 
-            old_logprobs = losses.token_logprobs(answer_logits(actor, seq, attn), response, s.temperature)
+            if not lean:  # lean keeps the sampler's log-probs, as the runner does (step.old_logprobs)
+                old_logprobs = losses.token_logprobs(answer_logits(actor, seq, attn), response, s.temperature)
             ref_logprobs = losses.token_logprobs(answer_logits(ref, seq, attn), response, s.temperature)
             old_values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
             score = losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float()

@@ -72,7 +72,7 @@ def bare_loop(cfg, steps: int, window: int) -> tuple[list[float], int]:
 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                            weight_decay=cfg.optim.weight_decay, foreach=True)
+                            weight_decay=cfg.optim.weight_decay, fused=True)
     sched = get_scheduler(SCHEDULERS[cfg.optim.scheduler], opt, num_warmup_steps=cfg.optim.warmup_steps,
                           num_training_steps=steps)
     times, tokens, step = [], 0, 0

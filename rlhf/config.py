@@ -469,6 +469,11 @@ class PPOStepConfig(StepConfig):
     do_sample: bool = True
     # Sampling temperature; log-probs are computed on logits / temperature to match the sampler.
     temperature: float = 0.7
+    # Where PPO's old log-probs (the ratio's denominator) come from: rollout, the logits that sampled
+    # each token; recompute, a forward of the actor over the finished sequences (DeepSpeed-Chat's way:
+    # one more forward per step; equal up to rounding, which differs in bf16/fp16 between the
+    # cached one-token forwards and the full one).
+    old_logprobs: str = "rollout"
     # Nucleus sampling mass; 1.0 is off.
     top_p: float = 1.0
     # Top-k sampling; 0 is off.
@@ -539,6 +544,7 @@ class PPOStepConfig(StepConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "layerwise"))
+        _choice("step.old_logprobs", self.old_logprobs, ("rollout", "recompute"))
         for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",
                     "max_new_tokens", "temperature", "top_p", "kl_horizon", "critic_lr"):
             _positive(f"step.{key}", getattr(self, key))

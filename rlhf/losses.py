@@ -163,9 +163,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                              entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` and each position's entropy over the vocabulary, from one log-softmax.
+
+    The vocabulary-wide passes (cast, scale, log-softmax) cost as much as the rest of the loss
+    together; a second log-softmax for the entropy doubled them. The entropy carries a graph only
+    with ``entropy_grad`` (an entropy bonus in the loss); otherwise it is measured for the log.
+    """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        lp = logp if entropy_grad else logp.detach()
+        entropy = -(lp.exp() * lp).sum(-1)
+    return picked, entropy
 
 
 def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ left-padded prompt batches of OPT and LLaMA."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -159,3 +161,52 @@ def test_a_family_without_our_forward_decodes_through_its_own():
     theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                             eos_token_id=2, pad_token_id=1)[:, ids.shape[1]:]
     assert torch.equal(ours, theirs[:, :ours.shape[1]])
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
+def test_rollout_logprobs_equal_a_forward_over_the_finished_sequences(family):
+    """PPO's old log-probs taken from the logits that sampled (step.old_logprobs=rollout) against a
+    full forward over prompt + answer (recompute), at the sampling temperature, over left-padded
+    prompts, with an eos that ends a row early (0 after it); our forward and the model's own (GPT-2)."""
+    from rlhf import losses
+    from rlhf.rollout import answer_logits, position_ids, response_mask
+
+    model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
+    ids, mask = _left_padded(model.config.vocab_size)
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 20}
+    torch.manual_seed(3)
+    first = decode(model, ids, mask, 8, eos_id=2, pad_id=1, **sampling)
+    # The same seed draws the same tokens: with a token of row 0 that it had not drawn before as
+    # eos, row 0 ends there.
+    end = next(j for j in range(2, 8) if int(first[0, j]) not in first[0, :j].tolist())
+    eos = int(first[0, end])
+    torch.manual_seed(3)
+    tokens, logprobs = decode(model, ids, mask, 8, eos_id=eos, pad_id=1, with_logprobs=True, **sampling)
+    rmask = response_mask(tokens, eos)
+    assert tokens.shape == logprobs.shape and rmask[0].sum() == end + 1 and (tokens[0, end + 1:] == 1).all()
+    seq, attn = torch.cat([ids, tokens], 1), torch.cat([mask, rmask], 1)
+    with torch.no_grad():
+        full = losses.token_logprobs(answer_logits(model, seq, attn, position_ids(attn), ids.shape[1] - 1),
+                                     tokens, 0.7)
+    assert torch.allclose(logprobs * rmask, full * rmask, atol=1e-4), (logprobs - full).abs().max()
+    assert (logprobs[rmask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_a_bf16_model_decodes_as_close_to_fp32_as_its_own_forward(family):
+    """On CPU a bf16 model's cache and attention stay fp32 (faster there): its logits must stay as
+    close to the fp32 model's as the model's own bf16 forward is, token by token."""
+    from rlhf.decode import _model_steps, _own_forward, _own_steps
+
+    model = _model(family)[0]
+    ids, mask = _left_padded(model.config.vocab_size)
+    exact = _model_steps(model, ids, mask)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    ours, theirs = _own_steps(_own_forward(half), ids, mask, 6), _model_steps(half, ids, mask)
+    tok = None
+    with torch.no_grad():
+        for _ in range(6):
+            want = exact(tok)
+            a, b = ours(tok).float(), theirs(tok).float()
+            assert (a - want).abs().max() <= 1.5 * (b - want).abs().max() + 1e-3
+            tok = want.argmax(-1)

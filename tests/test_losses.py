@@ -159,6 +159,20 @@ def test_token_logprobs_with_temperature():
     assert losses.token_logprobs(logits, t([[1]], torch.long), 2.0).item() == pytest.approx(math.log(p), abs=1e-6)
 
 
+def test_logprobs_and_entropy_share_one_log_softmax_and_the_entropy_has_a_graph_only_as_a_bonus():
+    logits = t([[[0.0, math.log(3.0)]]]).requires_grad_()
+    logp, entropy = losses.token_logprobs_and_entropy(logits, t([[1]], torch.long))
+    assert logp.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+    assert logp.requires_grad and not entropy.requires_grad
+    p = math.sqrt(3) / (1 + math.sqrt(3))  # softmax of logits / 2
+    logp, entropy = losses.token_logprobs_and_entropy(logits, t([[1]], torch.long), 2.0, entropy_grad=True)
+    assert logp.item() == pytest.approx(math.log(p), abs=1e-6)
+    assert entropy.item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), abs=1e-6)
+    (-entropy).backward()  # descending on the bonus moves the larger logit down, the smaller up
+    assert logits.grad[0, 0, 1] > 0 > logits.grad[0, 0, 0]
+
+
 def test_whiten_group_advantages_and_masked_mean():
     assert torch.allclose(losses.masked_whiten(t([1.0, 2.0, 3.0, 100.0]), t([1, 1, 1, 0])),
                           t([-1.224745, 0.0, 1.224745, 0.0]), atol=1e-5)

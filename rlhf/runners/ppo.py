@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
@@ -80,13 +81,14 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     scores into advantages with step.advantage_estimator (rlhf.losses.ESTIMATORS)."""
     t0 = time.perf_counter()
     chunk = step_cfg.generation_batch_size_per_device or batch["input_ids"].shape[0]
+    from_rollout = step_cfg.old_logprobs == "rollout"
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
                        step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
-                       step_cfg.top_k, step_cfg.min_new_tokens, gather_whole)
+                       step_cfg.top_k, step_cfg.min_new_tokens, gather_whole, with_logprobs=from_rollout)
               for i in range(0, batch["input_ids"].shape[0], chunk)]
-    width = max(p.shape[1] for p in pieces)  # chunks may stop at different lengths; pad after their eos
-    response = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id)
-                          for p in pieces])
+    tokens = [p[0] if from_rollout else p for p in pieces]
+    width = max(p.shape[1] for p in tokens)  # chunks may stop at different lengths; pad after their eos
+    response = torch.cat([F.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id) for p in tokens])
     t_generated = time.perf_counter()
     device = actor.device
     prompt_ids, prompt_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -96,10 +98,13 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     pos = position_ids(attn)
     start = prompt_ids.shape[1] - 1  # logits at start predict the first answer token
 
-    actor.eval()
-    logits = answer_logits(actor, seq, attn, pos, start)
-    old_logprobs = losses.token_logprobs(logits, response, step_cfg.temperature)
-    actor.train()
+    if from_rollout:  # the sampler's own log-probs (0 after eos, like every masked position)
+        old_logprobs = torch.cat([F.pad(p[1], (0, width - p[1].shape[1])) for p in pieces]).to(device)
+    else:
+        actor.eval()
+        old_logprobs = losses.token_logprobs(answer_logits(actor, seq, attn, pos, start), response,
+                                             step_cfg.temperature)
+        actor.train()
     ref_logits = answer_logits(ref, seq, attn, pos, start)
     ref_logprobs = losses.token_logprobs(ref_logits, response, step_cfg.temperature)
     old_values = None
@@ -146,7 +151,9 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
             idx = order[i:i + micro].to(exp.seq.device)
             mask = exp.mask[idx]
             logits = answer_logits(actor, exp.seq[idx], exp.attn[idx], exp.pos[idx], start)
-            logprobs = losses.token_logprobs(logits, exp.response[idx], step_cfg.temperature)
+            logprobs, token_entropy = losses.token_logprobs_and_entropy(
+                logits, exp.response[idx], step_cfg.temperature, entropy_grad=step_cfg.entropy_coef > 0)
+            entropy = losses.masked_mean(token_entropy, mask)
             pg_loss, clip_frac = losses.policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask,
                                                     step_cfg.clip_range)
             loss = pg_loss
@@ -155,9 +162,6 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
                     losses.kl_penalty(logprobs, exp.ref_logprobs[idx], step_cfg.kl_estimator), mask)
                 loss = loss + kl_coef * kl_loss
                 sums["kl_loss"] += kl_loss.item()
-            # The entropy over the vocabulary costs a full softmax; it needs a graph only as a bonus.
-            with torch.set_grad_enabled(step_cfg.entropy_coef > 0):
-                entropy = losses.masked_mean(losses.entropy_from_logits(logits, step_cfg.temperature), mask)
             if step_cfg.entropy_coef > 0:
                 loss = loss - step_cfg.entropy_coef * entropy
             if ptx_iter is not None:
