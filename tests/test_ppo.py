@@ -32,7 +32,8 @@ def sft_and_reward(tmp_path_factory):
 
 
 @pytest.mark.parametrize("zero,extra", [
-    ("0", ["step.offload_reference=true", "step.offload_reward=true"]),
+    # recompute: old log-probs from a forward over the finished sequences; the default takes the sampler's.
+    ("0", ["step.offload_reference=true", "step.offload_reward=true", "step.old_logprobs=recompute"]),
     ("3", []),
 ])
 def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward, zero, extra):
