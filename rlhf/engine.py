@@ -158,6 +158,12 @@ def build_train_engine(model: torch.nn.Module, cfg: Config, total_steps: int, lr
                               num_training_steps=total_steps)
     config = ds_config(cfg, trainable=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if cfg.world_size == 1 and cfg.zero.stage == 0:
+        # One rank: DeepSpeed's gradient all-reduce is an identity that still flattens every
+        # gradient, reduces it through the backend and copies it back (2.1 ms of a 26 ms SFT step of
+        # the tiny model on CPU). DeepSpeed skips it the same way where it has no backend. Stages
+        # 1-3 move gradients into their partitions in that call, so they keep it.
+        engine.enable_backward_allreduce = False
     return engine, config
 
 

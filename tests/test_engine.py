@@ -116,6 +116,48 @@ def test_frozen_engine_runs_forward_without_gradients(zero):
         assert torch.nn.functional.linear is patched
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_rank_at_stage_0_skips_the_identity_all_reduce_and_steps_the_same(precision):
+    """At one rank and stage 0 the engine skips DeepSpeed's gradient all-reduce: three steps give
+    the same weights bit for bit as an engine that runs it (bf16: through DeepSpeed's fp32 master
+    weights), and in fp32 the same as torch's fused AdamW with the same clipping."""
+    import copy
+
+    import torch
+
+    from rlhf import models
+    from rlhf.engine import build_train_engine, param_groups
+    from rlhf.worker import init_distributed
+
+    cfg = to_schema(compose([f"hardware.precision={precision}", "optim.grad_clip=0.05", "optim.weight_decay=0.1",
+                             "optim.warmup_steps=0", "optim.scheduler=constant"]))
+    init_distributed(cfg)
+    path = models.resolve_path(cfg.model)
+    tok = models.load_tokenizer(path)
+    model = models.load_causal_lm(path, tok, models.DTYPES[precision])
+    reference, reduced, initial = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    engine, _ = build_train_engine(model, cfg, total_steps=3)
+    with_reduce, _ = build_train_engine(reduced, cfg, total_steps=3)
+    assert not engine.enable_backward_allreduce
+    with_reduce.enable_backward_allreduce = True  # DeepSpeed's own path
+    opt = torch.optim.AdamW(param_groups(reference, cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=True)
+    ids = torch.tensor([tok(" Human: sort d b a c Assistant: a b c d").input_ids] * 2)
+    for _ in range(3):
+        for e in (engine, with_reduce):
+            e.backward(e(input_ids=ids, labels=ids).loss)
+            e.step()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q, r in zip(engine.module.named_parameters(), with_reduce.module.parameters(),
+                               reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        if precision == "fp32":
+            assert torch.allclose(p, r, atol=1e-6, rtol=1e-5), name
+    assert all(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), initial.parameters(), strict=True)), "it trained"
+
+
 def test_frozen_offload_keeps_parameters_in_host_memory_at_any_stage():
     for zero in ("0", "2"):
         cfg = to_schema(compose([f"zero={zero}"]))
