@@ -133,6 +133,8 @@ def test_ppo_config_errors_name_the_key():
         to_schema(compose(["step=ppo", "step.advantage_estimator=ppo"]))
     with pytest.raises(ConfigError, match="step.kl_in='advantage'.*reward, loss"):
         to_schema(compose(["step=ppo", "step.kl_in=advantage"]))
+    with pytest.raises(ConfigError, match="step.old_logprobs='cached'.*rollout, recompute"):
+        to_schema(compose(["step=ppo", "step.old_logprobs=cached"]))
     with pytest.raises(ConfigError, match="rloo compares the answers to one prompt.*samples_per_prompt >= 2"):
         to_schema(compose(["step=ppo", "step.advantage_estimator=rloo"]))
     with pytest.raises(ConfigError, match="not a multiple of step.samples_per_prompt=3"):
