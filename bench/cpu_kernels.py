@@ -1,0 +1,86 @@
+"""The CPU kernel timings behind two choices of the framework, measured in one process.
+
+- AdamW: the engine steps torch's fused AdamW (rlhf/engine.py). Times one step over the PPO bench
+  model's parameter shapes (5.3M fp32 parameters) for the for-loop, foreach and fused
+  implementations, and the largest difference of fused's weights from foreach's after the steps.
+- One-query attention: on CPU the decode loop keeps a bf16 model's KV cache and attention in fp32
+  (rlhf/decode.py). Times ``scaled_dot_product_attention`` of one new token over 65 and 128 cached
+  keys (4 rows x 8 heads x 32 dims, the PPO bench's shapes) over slices of a preallocated cache, in
+  bf16 and in fp32 (the query cast included).
+
+Prints one JSON line of microseconds (best of 5 repeats of N calls) and the CPU's bf16 support.
+
+    python bench/cpu_kernels.py
+    python bench/cpu_kernels.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# The PPO bench's OPT (h256, 4 layers, ffn 1024, vocab 8192): embedding, 4 x (4 attention
+# projections + 2 feed-forward matrices), and the biases and norms.
+SHAPES = [(8192, 256)] + [(256, 256)] * 16 + [(1024, 256), (256, 1024)] * 4 + [(256,)] * 60
+
+
+def best_us(fn, calls: int) -> float:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return round(best * 1e6, 1)
+
+
+def adamw(kind: str) -> tuple[float, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    flags = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kind]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
+    return best_us(opt.step, 10), params
+
+
+def attention(dtype: torch.dtype, keys: int) -> float:
+    cache_k, cache_v = (torch.randn(4, 8, 128, 32, dtype=dtype) for _ in range(2))
+    q = torch.randn(4, 8, 1, 32, dtype=torch.bfloat16)
+    mask = torch.ones(4, 1, 1, keys, dtype=torch.bool)
+    k, v = cache_k[:, :, :keys], cache_v[:, :, :keys]
+    return best_us(lambda: F.scaled_dot_product_attention(q.to(dtype), k, v, attn_mask=mask), 200)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from rlhf.launch_step import cpu_bf16
+
+    out = {"cpu_bf16": cpu_bf16(), "threads": args.threads, "adamw_params": sum(
+        torch.Size(s).numel() for s in SHAPES)}
+    weights = {}
+    for kind in ("forloop", "foreach", "fused"):
+        out[f"adamw_{kind}_us"], weights[kind] = adamw(kind)
+    out["adamw_fused_max_diff_from_foreach"] = max(
+        (a - b).abs().max().item() for a, b in zip(weights["fused"], weights["foreach"], strict=True))
+    for keys in (65, 128):
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            out[f"attention_1x{keys}_{name}_us"] = attention(dtype, keys)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
