@@ -437,9 +437,11 @@ def run(cfg: Config) -> dict:
             t3 = time.perf_counter()
             n_seq, seq_len = exp.seq.shape
             gen_tokens = exp.mask.sum().item()
-            # Forward FLOPs 2N per token: generation, the scoring passes (actor, reference, critic,
-            # reward model), then 3x (fwd+bwd) per update of the actor and the critic (0 without one).
-            flops = 2 * n_actor * gen_tokens + 2 * (2 * n_actor + n_critic + n_reward) * n_seq * seq_len \
+            # Forward FLOPs 2N per token: generation, the scoring passes (reference, critic, reward
+            # model, and the actor's only with step.old_logprobs=recompute), then 3x (fwd+bwd) per
+            # update of the actor and the critic (0 without one).
+            scoring = n_actor * (2 if step_cfg.old_logprobs == "recompute" else 1) + n_critic + n_reward
+            flops = 2 * n_actor * gen_tokens + 2 * scoring * n_seq * seq_len \
                 + step_cfg.ppo_epochs * 6 * (n_actor + n_critic) * n_seq * seq_len
             metrics.update({"generate_s": exp.generate_s, "experience_s": t1 - t0, "train_s": t2 - t1,
                             "other_s": t3 - t2, "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0),
