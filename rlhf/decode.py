@@ -56,14 +56,20 @@ def next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
     logits = logits.float()
     if top_k and top_k < logits.shape[-1]:
         # Draw among the k best only: the distribution of masking the rest to -inf, at k/vocab of the
-        # cost (torch.multinomial draws one exponential per candidate: 0.5 ms of a 0.6 ms sampling
-        # step at vocab 8192 x 4 rows, 57 us this way). The draws differ from generate's for the same
-        # seed; so does a tie at the k-th logit, which generate keeps and this drops.
+        # cost (one exponential per candidate: 0.5 ms of a 0.6 ms sampling step at vocab 8192 x 4
+        # rows, 57 us this way). The draws differ from generate's for the same seed; so does a tie at
+        # the k-th logit, which generate keeps and this drops.
         best, index = torch.topk(logits, top_k, dim=-1)
-        probs = _filter(best, temperature, 0, top_p).softmax(-1)
-        return index.gather(-1, torch.multinomial(probs, num_samples=1)).squeeze(1)
-    probs = _filter(logits, temperature, top_k, top_p).softmax(-1)
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
+        return index.gather(-1, _draw(_filter(best, temperature, 0, top_p).softmax(-1))).squeeze(1)
+    return _draw(_filter(logits, temperature, top_k, top_p).softmax(-1)).squeeze(1)
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row with these probabilities: ``torch.multinomial(probs, 1)``'s own draw (the
+    largest probs / Exponential(1), the same numbers from the same RNG state) without its input
+    checks, which cost as much as the draw (two reductions and two host syncs per token); probs from
+    a softmax need none (a NaN from a diverged model shows up in PPO's loss check)."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
 
 
 def accepts(model, name: str) -> bool:
@@ -78,10 +84,12 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _llama_forward(model, ids, pos, cache, start, mask):
+def _llama_forward(model, ids, cache, start, mask):
     inner = model.model
     h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, position_ids=pos)
+    if "rope" not in cache.tables:  # every position's rotation at once, not ten small ops per token
+        cache.tables["rope"] = inner.rotary_emb(h, position_ids=cache.positions)
+    cos, sin = (c[:, start:start + ids.shape[1]] for c in cache.tables["rope"])
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -92,12 +100,14 @@ def _llama_forward(model, ids, pos, cache, start, mask):
     return model.lm_head(inner.norm(h[:, -1]))
 
 
-def _opt_forward(model, ids, pos, cache, start, mask):
+def _opt_forward(model, ids, cache, start, mask):
     dec = model.model.decoder
     h = dec.embed_tokens(ids)
     if dec.project_in is not None:
         h = dec.project_in(h)
-    h = h + dec.embed_positions.weight[pos + dec.embed_positions.offset]
+    if "rows" not in cache.tables:  # the position embedding's row of every position (not its vectors: batch x length x hidden)
+        cache.tables["rows"] = cache.positions + dec.embed_positions.offset
+    h = h + dec.embed_positions.weight[cache.tables["rows"][:, start:start + ids.shape[1]]]
     for i, layer in enumerate(dec.layers):
         attn, pre = layer.self_attn, layer.do_layer_norm_before
         x = layer.self_attn_layer_norm(h) if pre else h
@@ -137,10 +147,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class _Cache:
     """Keys and values for prompt + answer, allocated once: [batch, kv_heads, length, head_dim] per
-    layer, in ``dtype`` (None: the model's), where the attention also runs."""
+    layer, in ``dtype`` (None: the model's), where the attention also runs; every position id of
+    prompt + answer [batch, length], and the family forward's per-position tables computed from them
+    once (rotations, position embeddings)."""
 
-    def __init__(self, length: int, dtype: torch.dtype | None = None):
-        self.length, self.dtype, self.keys, self.values = length, dtype, {}, {}
+    def __init__(self, positions: torch.Tensor, dtype: torch.dtype | None = None):
+        self.positions, self.length, self.dtype = positions, positions.shape[1], dtype
+        self.keys, self.values, self.tables = {}, {}, {}
 
     def attend(self, layer: int, q, k, v, start: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this chunk's keys/values at ``start`` and attend over the cache up to its end under
@@ -185,18 +198,22 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         _model_steps(model, input_ids, attention_mask)
     batch = input_ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    pad = torch.full_like(done, pad_id, dtype=input_ids.dtype)
     tokens, logprobs = [], []
+    eos = torch.tensor([eos_id], device=input_ids.device)
     logits = step(None)
     for t in range(max_new_tokens):
-        raw = logits  # the policy's own distribution: suppressing eos below is the sampler's rule
+        # Scaled once for the sampler and the log-probs (greedy picks on the raw logits, as generate).
+        scaled = logits.float() / temperature if temperature != 1.0 and (do_sample or with_logprobs) else logits
+        # The policy's own distribution is `scaled`; suppressing eos is the sampler's rule only.
+        pick = (scaled if do_sample else logits)
         if t < min_new_tokens:
-            logits = logits.clone()
-            logits[:, eos_id] = float("-inf")
-        tok = next_tokens(logits, do_sample, temperature, top_k, top_p)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            pick = pick.index_fill(-1, eos, float("-inf"))
+        tok = next_tokens(pick, do_sample, 1.0, top_k, top_p)
+        tok = torch.where(done, pad, tok)
         tokens.append(tok)
         if with_logprobs:
-            logprobs.append(token_logprobs(raw, tok, temperature).masked_fill(done, 0.0))
+            logprobs.append(token_logprobs(scaled, tok).masked_fill(done, 0.0))
         done = done | (tok == eos_id)
         finished = done.all()
         # Every rank runs as many forwards as the slowest where the model's forward gathers ZeRO-3
@@ -220,12 +237,13 @@ def _own_steps(own, input_ids, attention_mask, max_new_tokens):
     valid = torch.ones(batch, 1, 1, prompt + max_new_tokens, dtype=torch.bool, device=device)
     valid[..., :prompt] = attention_mask.bool()[:, None, None]
     pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)], dim=1)
     # On CPU a bf16 model's one-query attention ran 3-4x slower than the same attention in fp32 (4 rows
     # x 8 heads x 65-128 keys: 135-270 us against 33-79 us, torch 2.13), a fifth of each token's time
     # in the PPO bench: there the cache and the attention stay fp32 (the projections keep the model's
     # dtype). GPUs have fast half-precision attention and keep the model's dtype.
-    cache = _Cache(prompt + max_new_tokens, torch.float32 if device.type == "cpu" else None)
-    state = {"at": prompt, "pos": pos[:, -1:]}
+    cache = _Cache(pos, torch.float32 if device.type == "cpu" else None)
+    state = {"at": prompt}
 
     def step(tok):
         if tok is None:
@@ -234,11 +252,10 @@ def _own_steps(own, input_ids, attention_mask, max_new_tokens):
             at = torch.arange(prompt, device=device)
             mask = (valid[..., :prompt] & (at[None, :] <= at[:, None])) | torch.eye(prompt, dtype=torch.bool,
                                                                                       device=device)
-            return own(input_ids, pos, cache, 0, mask)
-        state["pos"] = state["pos"] + 1
+            return own(input_ids, cache, 0, mask)
         # Sliced once per token, contiguous: attention over a strided mask costs twice as much, per layer.
         mask = valid[..., :state["at"] + 1].contiguous()
-        logits = own(tok.unsqueeze(1), state["pos"], cache, state["at"], mask)
+        logits = own(tok.unsqueeze(1), cache, state["at"], mask)
         state["at"] += 1
         return logits
     return step

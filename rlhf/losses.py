@@ -159,7 +159,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
     Divided by the sampling temperature: PPO's ratio must use the distribution that sampled.
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
