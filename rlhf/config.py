@@ -453,7 +453,8 @@ class PPOStepConfig(StepConfig):
     name: str = "ppo"
     # Prompts each device generates answers for per PPO step (the rollout batch).
     rollout_batch_size_per_device: int = 64
-    # Rollouts generated per generate call (bounds the KV cache); 0: the whole rollout batch at once.
+    # Rollouts per generate call and per scoring forward (bounds the KV cache and the scoring logits); 0: the
+    # whole rollout batch at once.
     generation_batch_size_per_device: int = 0
     # Answers sampled per prompt (> 1 for group-normalized advantages).
     samples_per_prompt: int = 1

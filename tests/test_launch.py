@@ -127,6 +127,8 @@ def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedu
     lr = 1e-3
     proc = _launch("step=ppo", "hardware=cpu-2rank", "zero=3", "step.max_steps=3", "step.log_every_steps=1",
                    "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=4",
+                   # Generation and the scoring forwards in chunks of 8: as many gathers on both ranks.
+                   "step.generation_batch_size_per_device=8",
                    "step.gradient_accumulation_steps=2", "step.gradient_checkpointing=true",
                    "step.reward_fn=rule", "step.reward_model_weight=0", "step.kl_target=0.001", "step.kl_horizon=64",
                    "step.eval_prompts=8", "step.eval_micro_batch_size_per_device=8", f"optim.lr={lr}",

@@ -65,6 +65,22 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
         assert ds["reward"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
+def test_scoring_in_generation_chunks_gives_the_same_step(tmp_path, sft_and_reward):
+    """step.generation_batch_size_per_device splits generation and every scoring forward (reference,
+    critic, reward model, and the actor's with step.old_logprobs=recompute) into chunks of rows: with
+    greedy rollouts the step's figures are those of one whole-batch pass."""
+    sft, rm = sft_and_reward
+    rows = {}
+    for chunk in (0, 5):  # 16 rollouts: chunks of 5, 5, 5 and 1
+        run(compose([*PPO_FAST, "step.max_steps=1", "step.do_sample=false", "step.old_logprobs=recompute",
+                     f"step.generation_batch_size_per_device={chunk}", f"actor.path={sft}", f"critic.path={rm}",
+                     f"run_dir={tmp_path / str(chunk)}"]))
+        rows[chunk] = next(json.loads(line) for line in open(tmp_path / str(chunk) / "metrics.jsonl")
+                           if "policy_loss" in line)
+    for key in ("answer_len", "reward/score_mean", "reward/rm_score", "kl", "policy_loss", "value_loss", "entropy"):
+        assert rows[5][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
+
+
 def test_ppo_with_rule_reward_grpo_ema_and_ptx_text(tmp_path, sft_and_reward):
     sft, _ = sft_and_reward
     (tmp_path / "ptx").mkdir()

@@ -59,13 +59,21 @@ from rlhf.runners.common import count_params, finish, open_logger, say
 
 
 # ------------------------------------------------------------------------------- rollouts
+def by_chunks(fn, rows: int, chunk: int) -> torch.Tensor:
+    """``fn(rows slice)`` for each ``chunk`` of the batch's rows, concatenated: a scoring forward holds
+    one chunk's activations and logits at a time ([chunk, answer length, vocabulary] in fp32 for the
+    log-probs), the bound step.generation_batch_size_per_device puts on generation. Every rank
+    makes the same calls (the same rows per device), as ZeRO-3's gathers need."""
+    return torch.cat([fn(slice(i, i + chunk)) for i in range(0, rows, chunk)])
+
+
 @torch.no_grad()
-def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg) -> Scores:
+def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg, chunk: int) -> Scores:
     """The reward model's score at each sequence's last real token, the reward function's value, and
     their weighted sum (the score PPO optimizes)."""
     scores = Scores(total=torch.zeros(seq.shape[0]))
     if reward is not None:
-        values = reward(input_ids=seq, attention_mask=attn)
+        values = by_chunks(lambda r: reward(input_ids=seq[r], attention_mask=attn[r]), seq.shape[0], chunk)
         scores.rm = losses.gather_at(values, losses.end_indices(attn)).float().cpu()
         scores.total = scores.total + step_cfg.reward_model_weight * scores.rm
     if rule_fn is not None:
@@ -98,23 +106,27 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     pos = position_ids(attn)
     start = prompt_ids.shape[1] - 1  # logits at start predict the first answer token
 
+    rows = seq.shape[0]
+
+    def logprobs(model):
+        return by_chunks(lambda r: losses.token_logprobs(answer_logits(model, seq[r], attn[r], pos[r], start),
+                                                         response[r], step_cfg.temperature), rows, chunk)
+
     if from_rollout:  # the sampler's own log-probs (0 after eos, like every masked position)
         old_logprobs = torch.cat([F.pad(p[1], (0, width - p[1].shape[1])) for p in pieces]).to(device)
     else:
         actor.eval()
-        old_logprobs = losses.token_logprobs(answer_logits(actor, seq, attn, pos, start), response,
-                                             step_cfg.temperature)
+        old_logprobs = logprobs(actor)
         actor.train()
-    ref_logits = answer_logits(ref, seq, attn, pos, start)
-    ref_logprobs = losses.token_logprobs(ref_logits, response, step_cfg.temperature)
+    ref_logprobs = logprobs(ref)
     old_values = None
     if critic is not None:
         critic.eval()
-        old_values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
+        old_values = by_chunks(lambda r: critic(input_ids=seq[r], attention_mask=attn[r])[:, start:-1], rows, chunk)
         critic.train()
 
     answers = answer_texts(tokenizer, response, rmask)
-    scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg)
+    scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg, chunk)
     score = scores.total.to(device)
     if step_cfg.reward_normalize:
         moments.update(score, reduce=sum_over_ranks)  # the global batch's moments: ranks normalize alike
