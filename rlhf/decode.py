@@ -88,8 +88,11 @@ def _llama_forward(model, ids, cache, start, mask):
     inner = model.model
     h = inner.embed_tokens(ids)
     if "rope" not in cache.tables:  # every position's rotation at once, not ten small ops per token
-        cache.tables["rope"] = inner.rotary_emb(h, position_ids=cache.positions)
-    cos, sin = (c[:, start:start + ids.shape[1]] for c in cache.tables["rope"])
+        cos, sin = inner.rotary_emb(h, position_ids=cache.positions)
+        half = sin.shape[-1] // 2
+        # [batch, 1, length, head_dim], rotate-half's sign folded into sin (see _rotate).
+        cache.tables["rope"] = cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+    cos, sin = (c[:, :, start:start + ids.shape[1]] for c in cache.tables["rope"])
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -138,11 +141,12 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (LLaMA's rotate-half form); cos/sin [batch, time, head_dim]."""
-    half = x.shape[-1] // 2
-    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """LLaMA's rotary embedding x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): with
+    the minus moved onto sin's first half (``signed_sin``), the swap is one roll, and -x2 * s equals
+    x2 * -s bit for bit. 8 us instead of 19 per call (4 rows x 4 heads, one token); cos and
+    signed_sin [batch, 1, time, head_dim]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class _Cache:
