@@ -4,7 +4,9 @@ eos suppressed so both make exactly --new tokens; alternating, median of --repea
 
 Models: the PPO bench's random OPT (hidden 256, 4 layers, vocab 8192; bench/ppo_step.py) and the
 default tiny LLaMA. Prints one JSON line per model with tokens/s of each and ``speedup`` (ours over
-generate's time per token; the issue's target is >= 2), and the CPU's bf16 support.
+generate's time per token, medians; the issue's target is >= 2), ``speedup_fastest`` (the fastest
+call of each: every call does the same work, so the fastest is the least disturbed by a busy VM),
+and the CPU's bf16 support.
 
 Beside them, the time of the model's matrix products alone (every nn.Linear in forward order on the
 same weights and shapes, nothing else): ``speedup_ceiling`` is generate's time over it, the speedup
@@ -14,7 +16,7 @@ under 2 the products stream the weights from memory every token and generate's o
 small a share for any loop to halve its time.
 
     python bench/decode.py
-    python bench/decode.py --batch 64 --new 32 --precision bf16
+    python bench/decode.py --batch 64 --new 32 --precision bf16 --models tiny-llama
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,7 +56,8 @@ def main() -> None:
     from rlhf.config import compose_config, to_schema
 
     torch.set_num_threads(args.threads)
-    for name, overrides in MODELS.items():
+    for name in args.models:
+        overrides = MODELS[name]
         print(json.dumps(measure(name, to_schema(compose_config(overrides)), args)), flush=True)
 
 
@@ -114,6 +118,8 @@ def measure(name: str, cfg, args) -> dict:
             "ours_tokens_per_s": round(tokens / med["ours"], 1),
             "generate_tokens_per_s": round(tokens / med["generate"], 1),
             "speedup": round(med["generate"] / med["ours"], 3), "target": 2.0,
+            # Each call does the same work: the fastest of each is the one a busy VM disturbed least.
+            "speedup_fastest": round(min(times["generate"]) / min(times["ours"]), 3),
             # The speedup of a loop that did nothing but the matrix products: no loop can beat it.
             "matmuls_tokens_per_s": round(tokens / med["matmuls"], 1),
             "speedup_ceiling": round(med["generate"] / med["matmuls"], 3),
