@@ -108,7 +108,8 @@ def _opt_forward(model, ids, cache, start, mask):
     h = dec.embed_tokens(ids)
     if dec.project_in is not None:
         h = dec.project_in(h)
-    if "rows" not in cache.tables:  # the position embedding's row of every position (not its vectors: batch x length x hidden)
+    # The embedding's row index of every position once (not the vectors: batch x length x hidden).
+    if "rows" not in cache.tables:
         cache.tables["rows"] = cache.positions + dec.embed_positions.offset
     h = h + dec.embed_positions.weight[cache.tables["rows"][:, start:start + ids.shape[1]]]
     for i, layer in enumerate(dec.layers):
@@ -210,7 +211,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         # Scaled once for the sampler and the log-probs (greedy picks on the raw logits, as generate).
         scaled = logits.float() / temperature if temperature != 1.0 and (do_sample or with_logprobs) else logits
         # The policy's own distribution is `scaled`; suppressing eos is the sampler's rule only.
-        pick = (scaled if do_sample else logits)
+        pick = scaled if do_sample else logits
         if t < min_new_tokens:
             pick = pick.index_fill(-1, eos, float("-inf"))
         tok = next_tokens(pick, do_sample, 1.0, top_k, top_p)
