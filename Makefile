@@ -22,11 +22,17 @@ $(STAMP): pyproject.toml
 run: install  ## the default job on CPU: the whole chain (SFT -> reward -> PPO) on a tiny model
 	$(BIN)/python launch.py pipeline=e2e
 
-test: install  ## the test suite (CPU, a few minutes)
-	$(BIN)/python -m pytest -q -m "not slow"
+# One worker per core, at most 4: every test runs single-threaded (hardware.torch_threads=1) and its
+# own models and engines, so 2 workers on 2 cores cut the suite from ~15 to ~10 min; more than 4 would
+# mostly add memory (each worker holds its own random-model cache and DeepSpeed engines).
+# `make test XDIST=` runs the suite in one process.
+XDIST := -n auto --maxprocesses 4
+
+test: install  ## the test suite (CPU, ~10 min on 2 cores)
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 test-all: install  ## the test suite including slow tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 lint: install  ## ruff over the code
 	$(BIN)/ruff check rlhf tests bench launch.py
