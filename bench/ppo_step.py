@@ -199,11 +199,13 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
         t2 = time.perf_counter()
         actor.train()
         logprobs = losses.token_logprobs(answer_logits(actor, seq, attn), response, s.temperature)
-        losses.policy_loss(logprobs, old_logprobs, advantages, rmask, s.clip_range)[0].backward()
+        losses.masked_mean(losses.clipped_surrogate(logprobs, old_logprobs, advantages, s.clip_range)[0],
+                           rmask).backward()
         opt_actor.step()
         opt_actor.zero_grad(set_to_none=True)
         values = critic(input_ids=seq, attention_mask=attn)[:, start:-1]
-        (s.vf_coef * losses.value_loss(values, old_values, returns, rmask, s.value_clip_range)).backward()
+        (s.vf_coef * losses.masked_mean(losses.clipped_value_error(values, old_values, returns, s.value_clip_range),
+                                        rmask)).backward()
         opt_critic.step()
         opt_critic.zero_grad(set_to_none=True)
         t3 = time.perf_counter()

@@ -432,6 +432,10 @@ class DPOStepConfig(GreedyEvalStepConfig):
     reference_logprobs: str = "precompute"
     # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
     offload_reference: bool = False
+    # Train the policy without dropout, as the reference is scored: with dropout on, the policy's
+    # log-ratios are noisy and biased and the margin is not 0 at the start. false keeps model.dropout
+    # (the checkpoint's own where that is null) in the policy.
+    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -475,10 +479,19 @@ class PPOStepConfig(StepConfig):
     # one more forward per step; equal up to rounding, which differs in bf16/fp16 between the
     # cached one-token forwards and the full one).
     old_logprobs: str = "rollout"
-    # Nucleus sampling mass; 1.0 is off.
+    # Nucleus sampling mass; 1.0 is off. PPO refuses other values when sampling (see __post_init__).
     top_p: float = 1.0
-    # Top-k sampling; 0 is off.
-    top_k: int = 50
+    # Top-k sampling; 0 is off. PPO refuses other values when sampling (see __post_init__).
+    top_k: int = 0
+    # How per-token losses become the step's loss (rlhf.losses.LOSS_AGGS: token_mean,
+    # seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm), over the whole optimizer step;
+    # null: the advantage estimator's paper's (rlhf.losses.ESTIMATORS).
+    loss_agg: str | None = None
+    # Answers cut at max_new_tokens without an eos: keep (train on them like any other), penalty (subtract
+    # truncated_penalty from their score) or mask (left out of the loss, DAPO's overlong filtering).
+    truncated_answers: str = "keep"
+    # What step.truncated_answers=penalty subtracts from a truncated answer's score.
+    truncated_penalty: float = 1.0
     # KL penalty coefficient against the reference model (initial value when adaptive).
     kl_coef: float = 0.05
     # Per-token KL estimator from rlhf.losses.KL_ESTIMATORS (k1, k2, k3); null: the advantage
@@ -546,14 +559,15 @@ class PPOStepConfig(StepConfig):
         super().__post_init__()
         _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "layerwise"))
         _choice("step.old_logprobs", self.old_logprobs, ("rollout", "recompute"))
+        _choice("step.truncated_answers", self.truncated_answers, ("keep", "penalty", "mask"))
         for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",
                     "max_new_tokens", "temperature", "top_p", "kl_horizon", "critic_lr"):
             _positive(f"step.{key}", getattr(self, key))
         for key in ("kl_coef", "reward_clip", "reward_model_weight", "reward_fn_weight", "gamma", "lam",
                     "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
-                    "top_k", "eval_prompts", "min_new_tokens", "generation_batch_size_per_device"):
+                    "top_k", "eval_prompts", "min_new_tokens", "generation_batch_size_per_device", "truncated_penalty"):
             _positive(f"step.{key}", getattr(self, key), allow_zero=True)
-        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES
+        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES, LOSS_AGGS
 
         _choice("step.advantage_estimator", self.advantage_estimator, tuple(ESTIMATORS))
         estimator = ESTIMATORS[self.advantage_estimator]
@@ -562,6 +576,18 @@ class PPOStepConfig(StepConfig):
             self.kl_estimator = estimator.kl_estimator
         if self.kl_in is None:
             self.kl_in = estimator.kl_in
+        if self.loss_agg is None:
+            self.loss_agg = estimator.loss_agg
+        _choice("step.loss_agg", self.loss_agg, tuple(LOSS_AGGS))
+        if self.do_sample and (self.top_k or self.top_p < 1.0):
+            # Top-k / top-p sample from a truncated distribution whose support is each model's own: a
+            # token the actor drew can lie outside the reference's top-k, where its probability is 0 and
+            # the KL infinite; scoring with the full softmax instead biases the gradient and the KL.
+            raise ConfigError(
+                f"step.top_k={self.top_k} / step.top_p={self.top_p}: PPO samples the full distribution (top_k=0, "
+                "top_p=1.0) so that the old, new and reference log-probs are of the distribution that drew the "
+                "answers; a truncated one has a support of its own per model (a drawn token can have probability "
+                "0 under the reference: an infinite KL). Lower step.temperature for more focused rollouts")
         _choice("step.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
         _choice("step.kl_in", self.kl_in, KL_PLACES)
         if self.samples_per_prompt < estimator.min_group:

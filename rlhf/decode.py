@@ -6,7 +6,7 @@ much as the model's forward; this loop keeps only the forward. It serves any HF 
 ``past_key_values`` (OPT, LLaMA, GPT-2, GPT-NeoX, ...): left-padded prompts, position ids from the
 attention mask where the model takes them, eos stopping, temperature / top-k / top-p in
 ``generate``'s order, so that the same logits give the same greedy tokens and the same sampling
-distribution, and without top-k, from the same RNG state, the same samples (tests/test_decode.py).
+distribution (tests/test_decode.py; the draws themselves differ, see ``_draw``).
 ``synced`` keeps every rank stepping until all are done: ZeRO-3's layer-by-layer gathers are
 collectives.
 
@@ -56,20 +56,22 @@ def next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
     logits = logits.float()
     if top_k and top_k < logits.shape[-1]:
         # Draw among the k best only: the distribution of masking the rest to -inf, at k/vocab of the
-        # cost (one exponential per candidate: 0.5 ms of a 0.6 ms sampling step at vocab 8192 x 4
-        # rows, 57 us this way). The draws differ from generate's for the same seed; so does a tie at
-        # the k-th logit, which generate keeps and this drops.
+        # cost. A tie at the k-th logit, which generate keeps, is dropped.
         best, index = torch.topk(logits, top_k, dim=-1)
-        return index.gather(-1, _draw(_filter(best, temperature, 0, top_p).softmax(-1))).squeeze(1)
-    return _draw(_filter(logits, temperature, top_k, top_p).softmax(-1)).squeeze(1)
+        return index.gather(-1, _draw(_filter(best, temperature, 0, top_p))).squeeze(1)
+    return _draw(_filter(logits, temperature, top_k, top_p)).squeeze(1)
 
 
-def _draw(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row with these probabilities: ``torch.multinomial(probs, 1)``'s own draw (the
-    largest probs / Exponential(1), the same numbers from the same RNG state) without its input
-    checks, which cost as much as the draw (two reductions and two host syncs per token); probs from
-    a softmax need none (a NaN from a diverged model shows up in PPO's loss check)."""
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
+def _draw(logits: torch.Tensor) -> torch.Tensor:
+    """One index per row drawn from softmax(logits), by inverse transform: one uniform number per row
+    against the cumulative distribution. ``torch.multinomial`` (and so ``generate``) races one
+    exponential per vocabulary entry, which costs 5-7x more on CPU at vocabularies of 8k-50k
+    (bench/decode.py's sampler rows); the draws differ from its draws, the distribution is the same
+    (tests/test_decode.py). The running sums are float64 so that their rounding over 50k entries
+    cannot move mass between tokens; ``right=True`` never lands on a token of zero probability."""
+    weights = (logits - logits.amax(-1, keepdim=True)).exp().double().cumsum(-1)
+    u = torch.rand(weights.shape[0], 1, dtype=torch.float64, device=weights.device) * weights[:, -1:]
+    return torch.searchsorted(weights, u, right=True).clamp(max=logits.shape[-1] - 1)
 
 
 def accepts(model, name: str) -> bool:
@@ -195,8 +197,10 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     """New tokens [batch, <= max_new_tokens] for left-padded prompts; after a row's eos, pad.
 
     ``with_logprobs``: (tokens, logprobs), each new token's log-probability under the softmax of
-    the logits / temperature over the whole vocabulary (0 after eos) -- what PPO's ratio divides by,
-    taken from the logits that sampled instead of a second forward over the finished sequences.
+    the logits / temperature over the whole vocabulary, eos left out before ``min_new_tokens``
+    (0 after eos) -- what PPO's ratio divides by, taken from the logits that sampled instead of a
+    second forward over the finished sequences. Top-k / top-p are not in these log-probs: PPO
+    refuses them (rlhf.config.PPOStepConfig).
     """
     own = _own_forward(model)
     step = _own_steps(own, input_ids, attention_mask, max_new_tokens) if own else \
@@ -208,16 +212,14 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     eos = torch.tensor([eos_id], device=input_ids.device)
     logits = step(None)
     for t in range(max_new_tokens):
+        if t < min_new_tokens:  # the answer may not end yet: eos is out of the distribution here
+            logits = logits.index_fill(-1, eos, float("-inf"))
         # Scaled once for the sampler and the log-probs (greedy picks on the raw logits, as generate).
         scaled = logits.float() / temperature if temperature != 1.0 and (do_sample or with_logprobs) else logits
-        # The policy's own distribution is `scaled`; suppressing eos is the sampler's rule only.
-        pick = scaled if do_sample else logits
-        if t < min_new_tokens:
-            pick = pick.index_fill(-1, eos, float("-inf"))
-        tok = next_tokens(pick, do_sample, 1.0, top_k, top_p)
+        tok = next_tokens(scaled if do_sample else logits, do_sample, 1.0, top_k, top_p)
         tok = torch.where(done, pad, tok)
         tokens.append(tok)
-        if with_logprobs:
+        if with_logprobs:  # of the distribution that drew (eos excluded before min_new_tokens)
             logprobs.append(token_logprobs(scaled, tok).masked_fill(done, 0.0))
         done = done | (tok == eos_id)
         finished = done.all()

@@ -180,6 +180,17 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tempe
     return picked, entropy
 
 
+def forbid_early_eos(logits: torch.Tensor, eos_id: int, min_new_tokens: int) -> torch.Tensor:
+    """Answer logits [B, T, V] with eos at -inf on the first ``min_new_tokens`` answer positions: the
+    distribution the sampler really draws from there (it never ends an answer that early), so that
+    the old, new and reference log-probs and the KL are all of that one distribution."""
+    if min_new_tokens <= 0:
+        return logits
+    early = torch.zeros(logits.shape[-2:], dtype=torch.bool, device=logits.device)
+    early[:min_new_tokens, eos_id] = True
+    return logits.masked_fill(early, float("-inf"))
+
+
 def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio
 
@@ -355,39 +366,99 @@ class Estimator:
     min_group: int  # least step.samples_per_prompt it works with
     kl_in: str  # where the KL to the reference goes by default: reward or loss
     kl_estimator: str  # and which estimator, by default
+    loss_agg: str  # how its paper aggregates the per-token losses (LOSS_AGGS), by default
     source: str
 
 
 # step.advantage_estimator chooses by name; config validation lists these keys, so an entry here
 # is a valid choice everywhere.
 ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(gae_estimator, True, 1, "reward", "k1", "Schulman et al. 2016; Ouyang et al. 2022"),
-    "grpo": Estimator(grpo_estimator, False, 2, "loss", "k3", "Shao et al. 2024 (DeepSeekMath)"),
-    "dr_grpo": Estimator(dr_grpo_estimator, False, 2, "loss", "k3", "Liu et al. 2025 (Dr. GRPO)"),
-    "rloo": Estimator(rloo_estimator, False, 2, "reward", "k1", "Ahmadian et al. 2024"),
-    "reinforce_pp": Estimator(reinforce_pp_estimator, False, 1, "reward", "k1", "Hu 2025 (REINFORCE++)"),
-    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_estimator, False, 2, "loss", "k2",
+    "gae": Estimator(gae_estimator, True, 1, "reward", "k1", "token_mean",
+                     "Schulman et al. 2016; Ouyang et al. 2022"),
+    "grpo": Estimator(grpo_estimator, False, 2, "loss", "k3", "seq_mean_token_mean", "Shao et al. 2024 (DeepSeekMath)"),
+    "dr_grpo": Estimator(dr_grpo_estimator, False, 2, "loss", "k3", "seq_mean_token_sum_norm",
+                         "Liu et al. 2025 (Dr. GRPO)"),
+    # RLOO treats the whole answer as one action: its log-probability is the sum over its tokens.
+    "rloo": Estimator(rloo_estimator, False, 2, "reward", "k1", "seq_mean_token_sum", "Ahmadian et al. 2024"),
+    "reinforce_pp": Estimator(reinforce_pp_estimator, False, 1, "reward", "k1", "token_mean", "Hu 2025 (REINFORCE++)"),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_estimator, False, 2, "loss", "k2", "token_mean",
                                        "Hu 2025 (REINFORCE++-baseline)"),
 }
 KL_PLACES = ("reward", "loss")
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate objective (as a loss) and the fraction of tokens where clipping was active."""
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate objective per token, as a loss: max(-A r, -A clip(r, 1 - eps, 1 + eps)),
+    r = exp(logprobs - old_logprobs); and where the clipped term won (for the clip fraction).
+    Aggregated over tokens by ``aggregate``."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    clip_fraction = masked_mean((clipped > unclipped).float(), mask)
-    return loss, clip_fraction
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_range: float) -> torch.Tensor:
-    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped kept within clip_range of the rollout's value."""
+def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                        clip_range: float) -> torch.Tensor:
+    """0.5 * max((V - R)^2, (V_clipped - R)^2) per token, V_clipped kept within clip_range of the rollout's value."""
     clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+@dataclass(frozen=True)
+class LossAgg:
+    """How per-token losses become one loss: ``per_row`` turns [B, T] token losses into each answer's
+    contribution [B], and the optimizer step's loss is the sum of every contribution over the
+    step's micro-batches and ranks divided by the step's count of ``unit`` (answer tokens or
+    answers) -- never by one micro-batch's, so a token's weight does not depend on how the step is
+    split into micro-batches, accumulation steps and ranks."""
+
+    per_row: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    unit: str  # "token" or "answer"
+    source: str
+
+
+def _row_sum(x: torch.Tensor, mask: torch.Tensor, budget: int) -> torch.Tensor:
+    return (x * mask).sum(-1)
+
+
+def _row_mean(x: torch.Tensor, mask: torch.Tensor, budget: int) -> torch.Tensor:
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def _row_sum_over_budget(x: torch.Tensor, mask: torch.Tensor, budget: int) -> torch.Tensor:
+    return (x * mask).sum(-1) / budget
+
+
+# step.loss_agg chooses by name (null: the advantage estimator's paper's, ESTIMATORS[...].loss_agg).
+LOSS_AGGS: dict[str, LossAgg] = {
+    # Every answer token of the step weighs the same: long answers weigh more.
+    "token_mean": LossAgg(_row_sum, "token", "InstructGPT / DeepSpeed-Chat PPO, DAPO"),
+    # Each answer's token mean, then the mean over answers: every answer weighs the same.
+    "seq_mean_token_mean": LossAgg(_row_mean, "answer", "GRPO (Shao et al. 2024)"),
+    # Each answer's token sum (its whole log-probability), then the mean over answers.
+    "seq_mean_token_sum": LossAgg(_row_sum, "answer", "RLOO (Ahmadian et al. 2024): the answer is one action"),
+    # Each answer's token sum over a constant, the generation budget (max_new_tokens): no length bias.
+    "seq_mean_token_sum_norm": LossAgg(_row_sum_over_budget, "answer", "Dr. GRPO (Liu et al. 2025)"),
+}
+
+
+def agg_count(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """What this micro-batch adds to the step's denominator: its answer tokens, or its answers (rows
+    with at least one token to train on)."""
+    if LOSS_AGGS[agg].unit == "token":
+        return mask.sum()
+    return (mask.sum(-1) > 0).sum()
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str, step_count: torch.Tensor | float,
+              budget: int) -> torch.Tensor:
+    """This micro-batch's share of the optimizer step's loss: its rows' contributions by ``agg``
+    over ``step_count``, the step's whole count (``agg_count`` summed over all its micro-batches
+    and ranks). Summed over the step's micro-batches and ranks, the shares are the step's loss."""
+    mask = mask.to(x.dtype)
+    return LOSS_AGGS[agg].per_row(x, mask, budget).sum() / step_count
 
 
 class AdaptiveKLController:
@@ -421,14 +492,15 @@ class RunningMoments:
     def update(self, x: torch.Tensor, reduce=None) -> None:
         """Fold in a batch; ``reduce`` (an all-reduce sum) makes the batch the global one over ranks."""
         xd = x.detach().to(torch.float64).flatten()
-        stats = torch.stack([torch.tensor(float(xd.numel()), dtype=torch.float64), xd.sum(), (xd * xd).sum()])
+        # The count is made on the scores' device: stacking a host count with a GPU sum fails.
+        stats = torch.stack([xd.new_tensor(float(xd.numel())), xd.sum(), (xd * xd).sum()])
         if reduce is not None:
             stats = reduce(stats)
-        n = stats[0].item()
+        n, total_sum, total_sq = stats.tolist()
         if n == 0:
             return
-        mean = stats[1].item() / n
-        var = max(stats[2].item() / n - mean * mean, 0.0)
+        mean = total_sum / n
+        var = max(total_sq / n - mean * mean, 0.0)
         delta = mean - self.mean
         total = self.count + n
         self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total

@@ -44,6 +44,11 @@ class Experience:
     response: torch.Tensor
     # 1 on answer tokens up to and including eos, as float.
     mask: torch.Tensor
+    # The tokens the losses train on: ``mask``, without the answers step.truncated_answers=mask drops.
+    loss_mask: torch.Tensor
+    # Answers cut at max_new_tokens without an eos ([batch] bool).
+    truncated: torch.Tensor
+    eos_id: int
     start: int
     old_logprobs: torch.Tensor
     # The reference's log-probs of the answer tokens: the KL term of the loss (step.kl_in=loss) needs them.

@@ -1,6 +1,6 @@
 """The rollout decode loop against Hugging Face ``generate`` on the same random models: the same
-greedy tokens, the same samples from the same RNG state (temperature, top-p), generate's sampling
-distribution with top-k (drawn among the k best only), eos stopping and padding after it, for
+greedy tokens, generate's sampling distribution (temperature, top-k, top-p; drawn by inverse
+transform, so other draws than generate's for one seed), eos stopping and padding after it, for
 left-padded prompt batches of OPT and LLaMA."""
 
 from __future__ import annotations
@@ -32,38 +32,44 @@ def _hf(model, tok, enc, **kw):
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
-def test_greedy_and_seeded_samples_match_generate(family):
+def test_greedy_tokens_match_generate(family):
     model, tok = _model(family)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     ours = decode(model, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id, tok.pad_token_id)
     theirs = _hf(model, tok, enc, max_new_tokens=8, do_sample=False)
     assert torch.equal(ours, theirs[:, :ours.shape[1]]) and (theirs[:, ours.shape[1]:] == tok.pad_token_id).all()
-    for kw in ({"temperature": 0.7}, {"temperature": 0.9, "top_p": 0.8}):
-        torch.manual_seed(7)
-        ours = decode(model, enc["input_ids"], enc["attention_mask"], 8, tok.eos_token_id, tok.pad_token_id,
-                      do_sample=True, min_new_tokens=8, **kw)
-        torch.manual_seed(7)
-        theirs = _hf(model, tok, enc, max_new_tokens=8, min_new_tokens=8, do_sample=True, **kw)
-        assert torch.equal(ours, theirs), kw
 
 
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (8, 0.7)])
-def test_top_k_sampling_draws_generate_s_distribution(top_k, top_p):
-    """Top-k draws among the k best only (different draws than generate's for one seed): the
-    frequencies of 40000 draws match the probabilities generate's warpers give (temperature, top-k,
-    top-p), each within 0.01 (about 5 standard errors)."""
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.8), (5, 1.0), (8, 0.7)])
+def test_sampling_draws_generate_s_distribution(top_k, top_p):
+    """The frequencies of 40000 draws match the probabilities generate's warpers give (temperature,
+    top-k, top-p), each within 0.01 (4 standard errors at p = 0.5, more below), and no token outside
+    the warped support is ever drawn. top-k draws among the k best only."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     torch.manual_seed(0)
     logits = torch.randn(1, 300) * 2
     warped = logits
-    for warper in (TemperatureLogitsWarper(1.3), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)):
+    warpers = [TemperatureLogitsWarper(1.3), *([TopKLogitsWarper(top_k)] if top_k else []), TopPLogitsWarper(top_p)]
+    for warper in warpers:
         warped = warper(None, warped)
     expected = warped.softmax(-1)[0]
     draws = next_tokens(logits.expand(40000, -1), True, 1.3, top_k, top_p)
     freq = torch.bincount(draws, minlength=300).double() / len(draws)
     assert set(draws.unique().tolist()) <= set(expected.nonzero().flatten().tolist())
     assert (freq - expected).abs().max() < 0.01, (freq - expected).abs().max()
+
+
+def test_sampling_never_draws_a_token_of_zero_probability():
+    """Inverse-transform sampling over a distribution with masked tokens at both ends and between:
+    100000 draws land only on the three allowed tokens, in proportion."""
+    logits = torch.full((100000, 50), float("-inf"))
+    logits[:, [3, 20, 48]] = torch.tensor([0.0, 1.0, -1.0])
+    torch.manual_seed(1)
+    draws = next_tokens(logits, True, 1.0, 0, 1.0)
+    assert set(draws.unique().tolist()) == {3, 20, 48}
+    freq = torch.bincount(draws, minlength=50)[[3, 20, 48]].double() / len(draws)
+    assert torch.allclose(freq, torch.tensor([0.0, 1.0, -1.0]).softmax(-1).double(), atol=0.01)
 
 
 def test_eos_stops_a_row_and_pads_after_it():
@@ -173,7 +179,7 @@ def test_rollout_logprobs_equal_a_forward_over_the_finished_sequences(family):
 
     model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
     ids, mask = _left_padded(model.config.vocab_size)
-    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 20}
+    sampling = {"do_sample": True, "temperature": 0.7}
     torch.manual_seed(3)
     first = decode(model, ids, mask, 8, eos_id=2, pad_id=1, **sampling)
     # The same seed draws the same tokens: with a token of row 0 that it had not drawn before as
@@ -190,6 +196,22 @@ def test_rollout_logprobs_equal_a_forward_over_the_finished_sequences(family):
                                      tokens, 0.7)
     assert torch.allclose(logprobs * rmask, full * rmask, atol=1e-4), (logprobs - full).abs().max()
     assert (logprobs[rmask == 0] == 0).all()
+
+    # Before min_new_tokens the sampler never draws eos: its log-probs are of the distribution
+    # without eos, which a forward reproduces with losses.forbid_early_eos (and which puts more
+    # mass on every other token than the plain softmax).
+    torch.manual_seed(5)
+    tokens, logprobs = decode(model, ids, mask, 8, eos_id=eos, pad_id=1, with_logprobs=True, min_new_tokens=3,
+                              **sampling)
+    assert (tokens[:, :3] != eos).all()
+    rmask = response_mask(tokens, eos)
+    seq, attn = torch.cat([ids, tokens], 1), torch.cat([mask, rmask], 1)
+    with torch.no_grad():
+        logits = answer_logits(model, seq, attn, position_ids(attn), ids.shape[1] - 1)
+        full = losses.token_logprobs(losses.forbid_early_eos(logits, eos, 3), tokens, 0.7)
+        plain = losses.token_logprobs(logits, tokens, 0.7)
+    assert torch.allclose(logprobs * rmask, full * rmask, atol=1e-4), (logprobs - full).abs().max()
+    assert (full[:, :3] > plain[:, :3]).all() and torch.allclose(full[:, 3:], plain[:, 3:])
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])

@@ -68,6 +68,21 @@ def test_ipo_and_robust_dpo_learn_under_zero3_with_the_reference_offloaded(tmp_p
     assert ds["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_the_margin_is_zero_at_the_first_step_of_a_model_with_dropout(tmp_path, sft_model, disable_dropout):
+    """model.dropout=0.1: the policy trains without it by default, so its first batch's implicit
+    rewards equal the reference's (margin 0); with step.disable_dropout=false they do not."""
+    run(compose([*DPO_FAST, "step.max_steps=1", "step.log_every_steps=1", "step.eval_accuracy_prompts=0",
+                 "data.max_train_samples=320", "model.dropout=0.1", f"step.disable_dropout={disable_dropout}",
+                 f"actor.path={sft_model}", f"run_dir={tmp_path}"]))
+    first = next(json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"pref_acc"' in x)
+    if disable_dropout:
+        # Zero up to float rounding (the reference scored the pairs in other batches and paddings).
+        assert max(abs(first[k]) for k in ("chosen_reward", "rejected_reward", "margin")) < 1e-5, first
+    else:
+        assert abs(first["chosen_reward"]) > 1e-3 and abs(first["rejected_reward"]) > 1e-3, first
+
+
 def test_dpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
     args = ["step=dpo", f"actor.path={sft_model}", "step.max_steps=16", "data.max_train_samples=320",
             "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",

@@ -135,21 +135,61 @@ def test_gae_monte_carlo_with_discount():
     assert torch.allclose(adv, t([[0.81, 0.9, 1.0]]), atol=1e-6)
 
 
-def test_policy_loss_by_hand():
-    mask = t([[1.0]])
-    loss, frac = losses.policy_loss(t([[0.0]]), t([[0.0]]), t([[2.0]]), mask, 0.2)
-    assert loss.item() == pytest.approx(-2.0) and frac.item() == 0.0
+def test_clipped_surrogate_by_hand():
+    loss, clipped = losses.clipped_surrogate(t([[0.0]]), t([[0.0]]), t([[2.0]]), 0.2)
+    assert loss.item() == pytest.approx(-2.0) and not clipped.item()
     # ratio e^0.5 = 1.6487 with a positive advantage: clipped to 1.2.
-    loss, frac = losses.policy_loss(t([[0.5]]), t([[0.0]]), t([[1.0]]), mask, 0.2)
-    assert loss.item() == pytest.approx(-1.2) and frac.item() == 1.0
+    loss, clipped = losses.clipped_surrogate(t([[0.5]]), t([[0.0]]), t([[1.0]]), 0.2)
+    assert loss.item() == pytest.approx(-1.2) and clipped.item()
     # The same ratio with a negative advantage: the unclipped (pessimistic) term wins.
-    loss, frac = losses.policy_loss(t([[0.5]]), t([[0.0]]), t([[-1.0]]), mask, 0.2)
-    assert loss.item() == pytest.approx(math.exp(0.5), abs=1e-6) and frac.item() == 0.0
+    loss, clipped = losses.clipped_surrogate(t([[0.5]]), t([[0.0]]), t([[-1.0]]), 0.2)
+    assert loss.item() == pytest.approx(math.exp(0.5), abs=1e-6) and not clipped.item()
 
 
-def test_value_loss_by_hand():
+def test_clipped_value_error_by_hand():
     # Unclipped (1 - 2)^2 = 1; clipped value 0.2 gives (0.2 - 2)^2 = 3.24; 0.5 * max = 1.62.
-    assert losses.value_loss(t([[1.0]]), t([[0.0]]), t([[2.0]]), t([[1.0]]), 0.2).item() == pytest.approx(1.62)
+    assert losses.clipped_value_error(t([[1.0]]), t([[0.0]]), t([[2.0]]), 0.2).item() == pytest.approx(1.62)
+
+
+# Two answers of 1 and 3 tokens (budget 4): token losses [2, -, -, -] and [1, 2, 6, -].
+AGG_X, AGG_MASK = t([[2.0, 9.0, 9.0, 9.0], [1.0, 2.0, 6.0, 9.0]]), t([[1, 0, 0, 0], [1, 1, 1, 0]])
+
+
+@pytest.mark.parametrize("agg,expected", [
+    ("token_mean", (2 + 1 + 2 + 6) / 4),  # every token alike: 11 / 4 tokens
+    ("seq_mean_token_mean", (2 / 1 + 9 / 3) / 2),  # each answer's mean, then the mean of answers
+    ("seq_mean_token_sum", (2 + 9) / 2),  # each answer's sum, then the mean of answers
+    ("seq_mean_token_sum_norm", (2 / 4 + 9 / 4) / 2),  # each answer's sum over the budget of 4
+])
+def test_loss_aggregations_by_hand(agg, expected):
+    count = losses.agg_count(AGG_MASK, agg)
+    assert count.item() == (4 if agg == "token_mean" else 2)
+    assert losses.aggregate(AGG_X, AGG_MASK, agg, count, 4).item() == pytest.approx(expected)
+    # Split into two micro-batches of one answer each, both divided by the whole step's count: the
+    # shares add up to the step's loss, whatever the split.
+    shares = [losses.aggregate(AGG_X[i:i + 1], AGG_MASK[i:i + 1], agg, count, 4) for i in (0, 1)]
+    assert sum(shares).item() == pytest.approx(expected)
+
+
+def test_an_answer_left_out_of_the_loss_does_not_count():
+    mask = AGG_MASK.clone()
+    mask[1] = 0  # step.truncated_answers=mask
+    assert losses.agg_count(mask, "seq_mean_token_mean").item() == 1
+    assert losses.aggregate(AGG_X, mask, "seq_mean_token_mean", 1, 4).item() == pytest.approx(2.0)
+
+
+def test_every_estimator_names_a_loss_aggregation_and_its_papers_choices():
+    assert {n: e.loss_agg for n, e in losses.ESTIMATORS.items()} == {
+        "gae": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm",
+        "rloo": "seq_mean_token_sum", "reinforce_pp": "token_mean", "reinforce_pp_baseline": "token_mean"}
+
+
+def test_early_eos_is_out_of_the_distribution_before_min_new_tokens():
+    # Vocabulary of 3, eos = 2; logits 0 everywhere: 1/3 each, or 1/2 each where eos is forbidden.
+    logits = torch.zeros(1, 3, 3)
+    logp = losses.token_logprobs(losses.forbid_early_eos(logits, 2, 2), t([[0, 1, 0]], torch.long))
+    assert torch.allclose(logp, t([[math.log(0.5), math.log(0.5), math.log(1 / 3)]]))
+    assert losses.forbid_early_eos(logits, 2, 0) is logits
 
 
 def test_token_logprobs_with_temperature():
@@ -217,6 +257,20 @@ def test_whitening_over_ranks_equals_whitening_the_whole_batch():
 def losses_stats(x, mask):
     m = mask.double()
     return torch.stack([(x.double() * m).sum(), (x.double() ** 2 * m).sum(), m.sum()])
+
+
+def test_running_moments_keep_their_statistics_on_the_scores_device():
+    """Scores on another device than the host (a GPU; ``meta`` here): the statistics are stacked
+    there, not with a host count (which failed on a GPU), and come back through the reduce."""
+    m = losses.RunningMoments()
+    seen = []
+
+    def reduce(stats):  # as sum_over_ranks: the reduced numbers come back, from any device
+        seen.append(stats.device)
+        return torch.tensor([2.0, 4.0, 10.0], dtype=torch.float64)
+    m.update(torch.empty(2, device="meta"), reduce=reduce)
+    assert seen == [torch.device("meta")]
+    assert m.mean == pytest.approx(2.0) and m.var == pytest.approx(1.0)
 
 
 def test_running_moments_over_ranks_see_the_global_batch():

@@ -56,18 +56,20 @@ def step_data(cfg: Config, step: str, tokenizer, params: dict, build) -> tuple:
 
 
 def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int, role: str,
-                 frozen: dict | None = None):
+                 frozen: dict | None = None, dropout: float | None = None):
     """The step's one trainable model, loaded with ``load`` (models.load_causal_lm or
     load_reward_model; sharded while loading under ZeRO-3) and wrapped by the engine factory, its
     DeepSpeed JSON written to ds_config.json beside those of the step's ``frozen`` roles (name ->
-    DeepSpeed JSON); returns it with its parameter count and the checkpointer that saves it."""
+    DeepSpeed JSON); returns it with its parameter count and the checkpointer that saves it.
+    ``dropout`` overrides model.dropout."""
     import torch.distributed as dist
 
     from rlhf import engine as engine_factory
     from rlhf.checkpoint import Checkpointer
 
     with engine_factory.loading_context(cfg):
-        model = load(model_path, tokenizer, engine_factory.model_dtype(cfg), cfg.model.dropout,
+        model = load(model_path, tokenizer, engine_factory.model_dtype(cfg),
+                     cfg.model.dropout if dropout is None else dropout,
                      cfg.model.trust_remote_code)
     engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
     if dist.get_rank() == 0:

@@ -134,8 +134,10 @@ def run(cfg: Config) -> dict:
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
+    # The reference is scored without dropout (eval mode); so is the policy unless step.disable_dropout=false.
     engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "actor",
-                                                 frozen={"reference": ref_ds})
+                                                 frozen={"reference": ref_ds},
+                                                 dropout=0.0 if step_cfg.disable_dropout else None)
     if rank == 0:
         common.say(f"[dpo] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
                    f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters; loss {step_cfg.loss}, "

@@ -108,9 +108,12 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
 
     rows = seq.shape[0]
 
-    def logprobs(model):
-        return by_chunks(lambda r: losses.token_logprobs(answer_logits(model, seq[r], attn[r], pos[r], start),
-                                                         response[r], step_cfg.temperature), rows, chunk)
+    eos = tokenizer.eos_token_id
+
+    def logprobs(model):  # of the distribution the sampler drew from: no eos before min_new_tokens
+        return by_chunks(lambda r: losses.token_logprobs(losses.forbid_early_eos(
+            answer_logits(model, seq[r], attn[r], pos[r], start), eos, step_cfg.min_new_tokens),
+            response[r], step_cfg.temperature), rows, chunk)
 
     if from_rollout:  # the sampler's own log-probs (0 after eos, like every masked position)
         old_logprobs = torch.cat([F.pad(p[1], (0, width - p[1].shape[1])) for p in pieces]).to(device)
@@ -128,6 +131,10 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     answers = answer_texts(tokenizer, response, rmask)
     scores = sequence_scores(reward, rule_fn, seq, attn, batch["prompts"], answers, step_cfg, chunk)
     score = scores.total.to(device)
+    # Answers cut at max_new_tokens without an eos: the reward model never saw such answers.
+    truncated = ~(response == eos).any(-1)
+    if step_cfg.truncated_answers == "penalty":
+        score = score - step_cfg.truncated_penalty * truncated.to(score.dtype)
     if step_cfg.reward_normalize:
         moments.update(score, reduce=sum_over_ranks)  # the global batch's moments: ranks normalize alike
         score = moments.normalize(score)
@@ -140,7 +147,10 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
         values=old_values, group_size=step_cfg.samples_per_prompt, gamma=step_cfg.gamma, lam=step_cfg.lam,
         whiten=step_cfg.whiten_advantages, reduce=sum_over_ranks)
     advantages, returns = losses.ESTIMATORS[step_cfg.advantage_estimator].fn(inputs)
-    return Experience(seq=seq, attn=attn, pos=pos, response=response, mask=rmask_f, start=start,
+    # DAPO's overlong filtering: truncated answers keep their place in the advantages, not in the loss.
+    loss_mask = rmask_f * (~truncated).unsqueeze(-1) if step_cfg.truncated_answers == "mask" else rmask_f
+    return Experience(seq=seq, attn=attn, pos=pos, response=response, mask=rmask_f, loss_mask=loss_mask,
+                      truncated=truncated, eos_id=eos, start=start,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=old_values,
                       advantages=advantages, returns=returns, kl=kl.sum(-1),
                       kl_k1=((old_logprobs - ref_logprobs) * rmask_f).sum(-1), prompts=batch["prompts"],
@@ -148,55 +158,82 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
 
 
 # --------------------------------------------------------------------------------- update
+def step_counts(exp: Experience, order: torch.Tensor, micro: int, accumulation: int) -> torch.Tensor:
+    """For each optimizer step of one pass over the rollout batch in ``order``: its answer tokens and
+    its answers, over all its micro-batches and every rank ([steps, 2], float64). The step's loss is
+    divided by these, so that no token's weight depends on how the step is split."""
+    mask = exp.loss_mask
+    per_micro = torch.stack([torch.stack([mask[order[i:i + micro]].sum(), (mask[order[i:i + micro]].sum(-1) > 0).sum()])
+                             for i in range(0, len(order), micro)]).double()
+    return sum_over_ranks(per_micro.view(-1, accumulation, 2).sum(1).cpu()).clamp(min=1)
+
+
 def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generator: torch.Generator,
                ptx_iter) -> dict[str, float]:
     """step_cfg.ppo_epochs passes of clipped policy updates over the rollout batch in shuffled micro
-    batches, each followed by the critic's clipped value update (when there is a critic)."""
+    batches, each followed by the critic's clipped value update (when there is a critic).
+
+    The per-token loss (clipped surrogate, plus the KL where step.kl_in=loss, minus the entropy
+    bonus) is aggregated by step.loss_agg (rlhf.losses.LOSS_AGGS) over the whole optimizer step:
+    every micro-batch divides by the step's count over all its micro-batches and ranks, and is
+    scaled by accumulation x ranks because DeepSpeed divides each micro-batch's loss by the
+    accumulation and averages gradients over ranks. The value loss is a mean over the step's tokens."""
     n = exp.seq.shape[0]
-    micro = step_cfg.micro_batch_size_per_device
+    micro, accumulation = step_cfg.micro_batch_size_per_device, step_cfg.gradient_accumulation_steps
+    scale = accumulation * world_size()
+    agg, budget = step_cfg.loss_agg, step_cfg.max_new_tokens
     sums = dict.fromkeys(("policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
-    count = 0
+    count = steps = 0
     start = exp.start
-    for _ in range(step_cfg.ppo_epochs):
+    for epoch in range(step_cfg.ppo_epochs):
         order = torch.randperm(n, generator=generator)
-        for i in range(0, n, micro):
+        counts = step_counts(exp, order, micro, accumulation)
+        token_col = 0 if losses.LOSS_AGGS[agg].unit == "token" else 1
+        for j, i in enumerate(range(0, n, micro)):
             idx = order[i:i + micro].to(exp.seq.device)
-            mask = exp.mask[idx]
-            logits = answer_logits(actor, exp.seq[idx], exp.attn[idx], exp.pos[idx], start)
+            mask = exp.loss_mask[idx]
+            denom, tokens = counts[j // accumulation, token_col].item(), counts[j // accumulation, 0].item()
+            logits = losses.forbid_early_eos(answer_logits(actor, exp.seq[idx], exp.attn[idx], exp.pos[idx], start),
+                                             exp.eos_id, step_cfg.min_new_tokens)
             logprobs, token_entropy = losses.token_logprobs_and_entropy(
                 logits, exp.response[idx], step_cfg.temperature, entropy_grad=step_cfg.entropy_coef > 0)
-            entropy = losses.masked_mean(token_entropy, mask)
-            pg_loss, clip_frac = losses.policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask,
-                                                    step_cfg.clip_range)
-            loss = pg_loss
+            pg_tokens, clipped = losses.clipped_surrogate(logprobs, exp.old_logprobs[idx], exp.advantages[idx],
+                                                          step_cfg.clip_range)
+            per_token = pg_tokens
             if step_cfg.kl_in == "loss":  # GRPO's place for the KL: its gradient pulls toward the reference
-                kl_loss = losses.masked_mean(
-                    losses.kl_penalty(logprobs, exp.ref_logprobs[idx], step_cfg.kl_estimator), mask)
-                loss = loss + kl_coef * kl_loss
-                sums["kl_loss"] += kl_loss.item()
+                kl_tokens = losses.kl_penalty(logprobs, exp.ref_logprobs[idx], step_cfg.kl_estimator)
+                per_token = per_token + kl_coef * kl_tokens
+                sums["kl_loss"] += world_size() * losses.aggregate(kl_tokens.detach(), mask, agg, denom, budget).item()
             if step_cfg.entropy_coef > 0:
-                loss = loss - step_cfg.entropy_coef * entropy
-            if ptx_iter is not None:
+                per_token = per_token - step_cfg.entropy_coef * token_entropy
+            loss = scale * losses.aggregate(per_token, mask, agg, denom, budget)
+            if ptx_iter is not None:  # a plain mean per micro-batch: DeepSpeed's scaling averages it over the step
                 ptx = next(ptx_iter)
                 ptx_loss = actor(**{k: v.to(actor.device) for k, v in ptx.items()}).loss
                 loss = loss + step_cfg.ptx_coef * ptx_loss
-                sums["ptx_loss"] += ptx_loss.item()
+                sums["ptx_loss"] += ptx_loss.item() / accumulation
+            if epoch == 0 and i == 0:  # how far the sampler's log-probs are from a training forward's
+                sums["logprob_diff"] = losses.masked_mean((logprobs.detach() - exp.old_logprobs[idx]).abs(), mask).item()
             actor.backward(loss)
             actor.step()
 
             if critic is not None:
                 values = critic(input_ids=exp.seq[idx], attention_mask=exp.attn[idx])[:, start:-1]
-                v_loss = losses.value_loss(values, exp.old_values[idx], exp.returns[idx], mask,
-                                           step_cfg.value_clip_range)
-                critic.backward(step_cfg.vf_coef * v_loss)
+                v_err = losses.clipped_value_error(values, exp.old_values[idx], exp.returns[idx],
+                                                   step_cfg.value_clip_range)
+                v_loss = losses.aggregate(v_err, mask, "token_mean", tokens, budget)
+                critic.backward(scale * step_cfg.vf_coef * v_loss)
                 critic.step()
-                sums["value_loss"] += v_loss.item()
+                sums["value_loss"] += world_size() * v_loss.item()
 
-            sums["policy_loss"] += pg_loss.item()
-            sums["entropy"] += entropy.item()
-            sums["clip_frac"] += clip_frac.item()
+            # Logged per optimizer step: this rank's share x ranks, the step's loss where ranks agree.
+            sums["policy_loss"] += world_size() * losses.aggregate(pg_tokens.detach(), mask, agg, denom, budget).item()
+            sums["entropy"] += losses.masked_mean(token_entropy.detach(), mask).item()
+            sums["clip_frac"] += losses.masked_mean(clipped.float(), mask).item()
             count += 1
-    out = {k: v / count for k, v in sums.items()}
+            steps += (j + 1) % accumulation == 0
+    out = {k: v / (count if k in ("entropy", "clip_frac") else steps) for k, v in sums.items() if k != "logprob_diff"}
+    out["rollout/logprob_diff"] = sums["logprob_diff"]
     if critic is None:
         del out["value_loss"]
     if step_cfg.kl_in != "loss":
@@ -208,7 +245,7 @@ def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
     """Statistics of the global rollout batch (every rank's rows), identical on every rank: the KL
     controller acts on them, so no rank may decide from its own share."""
     rows = {"score": exp.scores.total.float(), "kl": exp.kl.float().cpu(), "kl_k1": exp.kl_k1.float().cpu(),
-            "len": exp.mask.sum(-1).float().cpu()}
+            "len": exp.mask.sum(-1).float().cpu(), "truncated": exp.truncated.float().cpu()}
     if exp.scores.rm is not None:
         rows["rm_score"] = exp.scores.rm.float()
     # Truth on the rollouts themselves, where the rule knows the prompts: the accuracy PPO
@@ -224,7 +261,8 @@ def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
     stacked = cat_over_ranks(torch.stack([rows[k] for k in keys], dim=1))
     rows = {k: stacked[:, i] for i, k in enumerate(keys)}
     out = {"reward/score_mean": rows["score"].mean().item(), "reward/score_std": rows["score"].std().item(),
-           "kl": rows["kl"].mean().item(), "kl_k1": rows["kl_k1"].mean().item(), "answer_len": rows["len"].mean().item()}
+           "kl": rows["kl"].mean().item(), "kl_k1": rows["kl_k1"].mean().item(), "answer_len": rows["len"].mean().item(),
+           "rollout/truncated_frac": rows["truncated"].mean().item()}
     if "rm_score" in rows:
         out["reward/rm_score"] = rows["rm_score"].mean().item()
     if "truth" in rows:
