@@ -46,7 +46,7 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
     for r in steps:
         for key in ("reward/score_mean", "reward/rm_score", "kl", "entropy", "clip_frac", "policy_loss",
                     "value_loss", "answer_len", "generate_s", "experience_s", "train_s", "samples_per_s", "tflops",
-                    "rollout/rule_accuracy"):
+                    "rollout/rule_accuracy", "rollout/truncated_frac", "rollout/logprob_diff"):
             assert math.isfinite(r[key]), (key, r)
         assert r["generate_s"] <= r["experience_s"] <= r["step_s"]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-5), "actor and reference start identical"
@@ -159,6 +159,40 @@ def test_ppo_config_errors_name_the_key():
         to_schema(compose(["step=ppo", "step.reward_model_weight=0"]))
     with pytest.raises(ConfigError, match="needs critic.path or reward.path"):
         run(compose(["step=ppo", "run_dir=/tmp/never-written"]))
+    for key in ("step.top_k=50", "step.top_p=0.9"):  # a truncated sampler: refused, with why
+        with pytest.raises(ConfigError, match=f"{key.replace('.', '[.]')}.*full distribution.*infinite KL"):
+            to_schema(compose(["step=ppo", key]))
+    assert to_schema(compose(["step=ppo", "step.top_k=50", "step.do_sample=false"])).step.top_k == 50  # greedy: unused
+    with pytest.raises(ConfigError, match="step.loss_agg='mean'.*token_mean, seq_mean_token_mean"):
+        to_schema(compose(["step=ppo", "step.loss_agg=mean"]))
+    with pytest.raises(ConfigError, match="step.truncated_answers='drop'.*keep, penalty, mask"):
+        to_schema(compose(["step=ppo", "step.truncated_answers=drop"]))
+
+
+@pytest.mark.parametrize("mode", ["mask", "penalty"])
+def test_truncated_answers_are_counted_and_masked_or_penalized(tmp_path, sft_and_reward, mode):
+    """Answers of at most 2 tokens: most are cut without eos. Their fraction is logged, and so is
+    the sampler's log-prob gap to a training forward (fp32: rounding only); mask leaves them out of
+    the loss, penalty lowers the score they are trained on by step.truncated_penalty: either way the
+    same rollouts give another policy loss than keeping them."""
+    sft, rm = sft_and_reward
+    common = [*PPO_FAST, "step.max_steps=2", "step.max_new_tokens=2", "step.log_every_steps=1",
+              f"actor.path={sft}", f"critic.path={rm}"]
+    keep = run(compose([*common, f"run_dir={tmp_path / 'keep'}"]))
+    other = run(compose([*common, f"step.truncated_answers={mode}", f"run_dir={tmp_path / mode}"]))
+    rows = {d: [json.loads(x) for x in open(tmp_path / d / "metrics.jsonl") if "policy_loss" in x]
+            for d in ("keep", mode)}
+    assert 0.3 < rows["keep"][0]["rollout/truncated_frac"] <= 1.0
+    # The first rollouts are the same (same seed, same actor): only what is trained on differs.
+    assert rows[mode][0]["rollout/truncated_frac"] == rows["keep"][0]["rollout/truncated_frac"]
+    assert all(math.isfinite(r["rollout/logprob_diff"]) and r["rollout/logprob_diff"] < 1e-3 for r in rows[mode])
+    if mode == "penalty":
+        drop = rows["keep"][0]["reward/score_mean"] - rows[mode][0]["reward/score_mean"]
+        assert drop == pytest.approx(0.0, abs=1e-6), "the logged score is the reward model's and rule's"
+        assert rows[mode][0]["policy_loss"] != pytest.approx(rows["keep"][0]["policy_loss"], abs=1e-6)
+    else:
+        assert rows[mode][0]["policy_loss"] != pytest.approx(rows["keep"][0]["policy_loss"], abs=1e-6)
+    assert other["actor_weight_change"] > 0 and keep["actor_weight_change"] > 0
 
 
 def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
