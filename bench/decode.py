@@ -1,6 +1,9 @@
 """Rollout generation speed: the framework's decode loop (rlhf/decode.py) against Hugging Face
-``generate``, same model, same left-padded batch, both sampling at temperature 0.7 with top-k 50,
-eos suppressed so both make exactly --new tokens; alternating, median of --repeats each, one process.
+``generate``, same model, same left-padded batch, both sampling the full distribution at temperature
+0.7 (PPO's rollouts: no top-k, no top-p), eos suppressed so both make exactly --new tokens;
+alternating, median of --repeats each, one process. ``full_over_top50`` is our loop's time sampling
+the full distribution over its time drawing among the 50 most likely tokens only (the rollouts'
+former default): the price of sampling the distribution PPO's log-probs describe.
 
 Models: the PPO bench's random OPT (hidden 256, 4 layers, vocab 8192; bench/ppo_step.py) and the
 default tiny LLaMA. Prints one JSON line per model with tokens/s of each and ``speedup`` (ours over
@@ -78,10 +81,14 @@ def measure(name: str, cfg, args) -> dict:
     ids[:, 0] = tok.bos_token_id
     mask = torch.ones_like(ids)
     mask[0, : args.prompt // 4] = 0  # one left-padded row, as rollouts have
-    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 50, "min_new_tokens": args.new}
+    # top_k=0 explicitly: generate's own default is 50.
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 0, "min_new_tokens": args.new}
 
     def ours():
         return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **sampling)
+
+    def ours_top50():
+        return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **{**sampling, "top_k": 50})
 
     def theirs():
         with torch.no_grad():
@@ -103,11 +110,12 @@ def measure(name: str, cfg, args) -> dict:
             for m in linears:
                 F.linear(x[m.in_features], m.weight, m.bias)
 
-    times = {"ours": [], "generate": [], "matmuls": []}
-    for fn in (ours, theirs, matmuls):  # warm-up
+    times = {"ours": [], "generate": [], "matmuls": [], "ours_top50": []}
+    calls = (("ours", ours), ("generate", theirs), ("matmuls", matmuls), ("ours_top50", ours_top50))
+    for _, fn in calls:  # warm-up
         fn()
     for _ in range(args.repeats):
-        for key, fn in (("ours", ours), ("generate", theirs), ("matmuls", matmuls)):
+        for key, fn in calls:
             start = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - start)
@@ -123,7 +131,8 @@ def measure(name: str, cfg, args) -> dict:
             # The speedup of a loop that did nothing but the matrix products: no loop can beat it.
             "matmuls_tokens_per_s": round(tokens / med["matmuls"], 1),
             "speedup_ceiling": round(med["generate"] / med["matmuls"], 3),
-            "ours_over_matmuls": round(med["ours"] / med["matmuls"], 3)}
+            "ours_over_matmuls": round(med["ours"] / med["matmuls"], 3),
+            "full_over_top50": round(med["ours"] / med["ours_top50"], 3)}
 
 if __name__ == "__main__":
     main()

@@ -272,7 +272,7 @@ def test_an_empty_train_file_and_a_number_for_text_are_named(tmp_path):
                     "answer", DataReport(), "train", on_bad_row="error")
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_bad_data_is_one_line_and_exit_code_2_on_the_command_line(tmp_path, ranks):
     """With two ranks the error surfaces inside the ranks: still one line, exit 2, no rank tracebacks
     (the rank waiting at a barrier for the one that stopped included)."""

@@ -83,6 +83,7 @@ def test_the_margin_is_zero_at_the_first_step_of_a_model_with_dropout(tmp_path, 
         assert abs(first["chosen_reward"]) > 1e-3 and abs(first["rejected_reward"]) > 1e-3, first
 
 
+@pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL
 def test_dpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
     args = ["step=dpo", f"actor.path={sft_model}", "step.max_steps=16", "data.max_train_samples=320",
             "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",

@@ -103,6 +103,7 @@ def _losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in open(path / "metrics.jsonl") if '"loss"' in line]
 
 
+@pytest.mark.slow  # make test starts 2 ranks in the PPO test below and in test_loss_agg
 def test_two_cpu_ranks_sft_zero3_matches_one_rank_with_the_same_global_batch(tmp_path):
     common = ["step=sft", "zero=3", "step.max_steps=5", "step.log_every_steps=1", "logging.progress_bar=false",
               "data.max_eval_samples=32", "step.save_model=false"]

@@ -67,6 +67,7 @@ def test_sft_resumes_exactly_after_sigkill_mid_epoch(tmp_path):
     _same_result(tmp_path / "a", tmp_path / "b", "loss")
 
 
+@pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
 def test_sft_resumes_at_an_epoch_boundary_and_trains_the_remaining_epochs(tmp_path):
     # 160 rows / 16 = 10 steps per epoch, 3 epochs, checkpoints at epoch ends only.
     args = ["step=sft", "data.max_train_samples=160", "step.epochs=3", "step.log_every_steps=1",
@@ -81,6 +82,7 @@ def test_sft_resumes_at_an_epoch_boundary_and_trains_the_remaining_epochs(tmp_pa
     assert json.loads((tmp_path / "b" / "final_metrics.json").read_text())["step"] == 30
 
 
+@pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
 def test_a_cut_short_write_and_an_unreadable_latest_checkpoint_fall_back_to_a_good_one(tmp_path):
     _straight(SFT, tmp_path / "a")
     _kill_after(SFT, tmp_path / "b", "loss", 12)
@@ -104,6 +106,7 @@ def test_a_cut_short_write_and_an_unreadable_latest_checkpoint_fall_back_to_a_go
     _same_result(tmp_path / "a", tmp_path / "b", "loss")
 
 
+@pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
 def test_reward_resumes_exactly_after_sigkill(tmp_path):
     args = ["step=reward", "step.max_steps=30", "step.log_every_steps=1", "checkpoint.every_steps=5",
             "step.eval_every_steps=0", "step.rule_check_answers=0"]
@@ -125,6 +128,7 @@ def test_ppo_resumes_exactly_after_sigkill(tmp_path):
     _same_result(tmp_path / "a", tmp_path / "b", "policy_loss")
 
 
+@pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
 def test_sigterm_finishes_the_step_saves_and_exits_then_resumes_exactly(tmp_path):
     args = ["step=sft", "step.max_steps=30", "step.log_every_steps=1", "step.eval_every_steps=0"]  # no periodic saves
     _straight(args, tmp_path / "a")

@@ -85,10 +85,13 @@ def test_scores_do_not_depend_on_padding_side():
 @pytest.mark.parametrize("variant", [
     pytest.param(["step.score_at=divergence", "zero=3"], id="divergence-zero3"),
     # Checkpointing through the scalar-head wrapper (it crashed the reward and PPO steps of every GPU preset).
-    pytest.param(["lora.rank=8", "lora.lr=1e-2", "zero=2", "step.gradient_checkpointing=true"], id="lora-zero2-ckpt"),
+    # Adapters learn slower than the full model: 200 steps at 3e-3 (0.48 -> 0.82 on an AVX2 CPU; at
+    # 1e-2 the adapters were unstable, 0.48 -> 0.54 at 100 steps and 0.40 at 200).
+    pytest.param(["lora.rank=8", "lora.lr=3e-3", "zero=2", "step.gradient_checkpointing=true", "step.max_steps=200"],
+                 id="lora-zero2-ckpt"),
 ])
 def test_reward_variants_learn_and_save(tmp_path, variant):
-    final = run(compose([*FAST, *variant, "step.max_steps=100", "step.eval_every_steps=0", f"run_dir={tmp_path}"]))
+    final = run(compose([*FAST, "step.max_steps=100", *variant, "step.eval_every_steps=0", f"run_dir={tmp_path}"]))
     assert final["eval/acc"] > final["eval/acc_before"] + 0.1, final
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model", num_labels=1)
     assert not any("lora" in k for k in hf.state_dict())

@@ -73,6 +73,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl") if '"loss"' in line]
 
 
+@pytest.mark.slow  # 74 s; make test trains ZeRO 0 and 3 in test_sft_learns_saves_and_reloads
 def test_zero_stages_offload_and_checkpointing_train_the_same(tmp_path):
     """ZeRO partitions state and checkpointing recomputes activations; neither may change the math."""
     base = ["step.max_steps=12", "step.log_every_steps=4", "data.max_eval_samples=32", "logging.progress_bar=false",
