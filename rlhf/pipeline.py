@@ -154,15 +154,47 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         manifest["steps"][name] = entry
         _write_manifest(manifest_path, manifest)
 
-    print("[e2e] " + "-" * 60)
-    for name in planned:
-        entry = manifest["steps"][name]
-        took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
-        print(f"[e2e] Finished {STEPS[name].title} in {took}" + (" (earlier run)" if entry.get("skipped_on_rerun")
-                                                                 else ""), flush=True)
-    print(f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}", flush=True)
+    print(summary(planned, manifest, results, outputs), flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
+
+
+def _figure(metrics: dict, key: str, label: str, percent: bool = True) -> str | None:
+    """``label before -> after`` of one final figure (the step's first and last evaluation)."""
+    if key not in metrics:
+        return None
+    show = (lambda v: f"{100 * v:.1f}%") if percent else (lambda v: f"{v:.3f}")
+    before = metrics.get(f"{key}_before")
+    return f"{label} {show(before)} -> {show(metrics[key])}" if before is not None else f"{label} {show(metrics[key])}"
+
+
+# Per step, the figures the summary shows: (final-metrics key, label, as a percentage).
+SUMMARY_FIGURES = {
+    "sft": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/loss", "held-out loss", False)],
+    "reward": [("eval/acc", "held-out pairwise accuracy", True)],
+    "dpo": [("eval/pref_acc", "held-out preference accuracy", True),
+            ("eval/accuracy", "held-out accuracy by the rule", True)],
+    "ppo": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/rm_score", "reward-model score", False)],
+}
+
+
+def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
+    """The chain's closing block: each step's time and figures, every warning, where the outputs
+    are, and what to try next."""
+    lines = ["[e2e] " + "-" * 60]
+    warnings = []
+    for name in planned:
+        entry, metrics = manifest["steps"][name], results.get(name, {})
+        took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
+        figures = [f for key, label, pct in SUMMARY_FIGURES.get(name, []) if (f := _figure(metrics, key, label, pct))]
+        rerun = " (earlier run)" if entry.get("skipped_on_rerun") else ""
+        lines.append(f"[e2e] {STEPS[name].title}, {took}{rerun}: " + ("; ".join(figures) or "done"))
+        warnings += [f"{name}: {w}" for w in [*entry.get("warnings", []), *metrics.get("warnings", [])]]
+    lines += [f"[e2e] WARNING {w}" for w in warnings] or ["[e2e] no warnings"]
+    last = outputs[list(planned)[-1]]
+    lines += [f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}",
+              f"[e2e] next: python -m rlhf.chat --path {last}"]
+    return "\n".join(lines)
 
 
 def weak_reward_model(schema: Config, name: str, metrics: dict) -> str | None:

@@ -213,10 +213,16 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     ppo_cfg = (tmp_path / "ppo" / "config.yaml").read_text()
     assert "lr: 0.0003" in ppo_cfg and "epochs: 6" in ppo_cfg and "eval_prompts: 16" in ppo_cfg
     out = capsys.readouterr().out
-    assert "Finished Step 1 (SFT) in" in out and "Finished Step 3 (PPO) in" in out
-    # 10 steps make a weak reward model: the chain says so before PPO games it.
+    # The closing summary: each step's figures, the warnings, the outputs and the next command.
+    block = out[out.rindex("[e2e] ----"):]
+    assert "Step 1 (SFT), 0:00:" in block and "held-out accuracy by the rule 0.0% ->" in block
+    assert "Step 2 (reward model), " in block and "held-out pairwise accuracy" in block
+    assert "Step 3 (PPO), " in block and "held-out accuracy by the rule" in block
+    assert f"[e2e] next: python -m rlhf.chat --path {tmp_path / 'ppo' / 'model'}" in block
+    # 10 steps make a weak reward model: the chain says so before PPO games it, and again at the end.
     assert "below pipeline.reward_min_accuracy=0.975" in manifest["steps"]["reward"]["warnings"][0]
     assert "[e2e] WARNING the reward model's held-out pairwise accuracy" in out
+    assert "[e2e] WARNING reward: the reward model's held-out pairwise accuracy" in block
     assert (tmp_path / "ppo" / "model" / "config.json").exists()
 
     again = run(compose(overrides), overrides=overrides)
