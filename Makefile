@@ -23,15 +23,15 @@ run: install  ## the default job on CPU: the whole chain (SFT -> reward -> PPO) 
 	$(BIN)/python launch.py pipeline=e2e
 
 # One worker per core, at most 4: every test runs single-threaded (hardware.torch_threads=1) and its
-# own models and engines, so 2 workers on 2 cores cut the suite from ~15 to ~10 min; more than 4 would
-# mostly add memory (each worker holds its own random-model cache and DeepSpeed engines).
+# own models and engines, so 2 workers on 2 cores halve the suite's time; more than 4 would mostly add
+# memory (each worker holds its own random-model cache and DeepSpeed engines).
 # `make test XDIST=` runs the suite in one process.
 XDIST := -n auto --maxprocesses 4
 
-test: install  ## the test suite (CPU, ~10 min on 2 cores)
+test: install  ## the fast tiers of the suite: every module, one of each slow kind (CPU, under 10 min on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
-test-all: install  ## the test suite including slow tests
+test-all: install  ## everything: every preset chain, kill-and-resume, 2-rank test and the learning run (what CI runs)
 	$(BIN)/python -m pytest -q $(XDIST)
 
 lint: install  ## ruff over the code
