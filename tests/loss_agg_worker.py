@@ -68,8 +68,8 @@ def main(out: str) -> None:
         grads = {}
         for role, eng in (("actor", actor), ("critic", critic)):
             # What the optimizer is handed: every micro-batch accumulated and, on 2 ranks, averaged.
-            eng.optimizer.register_step_pre_hook(lambda opt, *_, role=role: grads.__setitem__(role, torch.cat(
-                [p.grad.flatten().clone() for group in opt.param_groups for p in group["params"]])))
+            eng.optimizer.register_step_pre_hook(lambda opt, *_, role=role, grads=grads: grads.__setitem__(
+                role, torch.cat([p.grad.flatten().clone() for group in opt.param_groups for p in group["params"]])))
 
         seq, attn, response, mask, g = batch(actor.module.config.vocab_size)
         pos, start = position_ids(attn), PROMPT - 1
