@@ -776,9 +776,18 @@ class PipelineConfig:
     # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
     # (DeepSpeed-Chat's: a separate, smaller base model).
     reward_from_sft: bool = False
-    # Warn before PPO when the reward model's held-out pairwise accuracy is below this (0: never): PPO
+    # Refuse PPO when the reward model's held-out pairwise accuracy is below this (0: never): PPO
     # finds and exploits the mistakes of a weak reward model.
     reward_min_accuracy: float = 0.0
+    # Refuse PPO when the SFT policy's held-out accuracy by the rule is below this (0: never): PPO can
+    # only reinforce right answers it samples.
+    min_policy_accuracy: float = 0.0
+    # Refuse the step after SFT when SFT ended with its held-out loss still falling by more than this
+    # fraction over its last evaluation interval (0: never): it stopped before it was ready.
+    sft_loss_still_falling: float = 0.0
+    # What a step that cannot work gets: stop (the chain ends before it, exit code 2, one line naming
+    # the figure, the reason and the override) or warn (say so and run it anyway).
+    on_weak_step: str = "stop"
     # Per step, the files of conf/stage/ composed over that step's config, in order (each a
     # `# @package _global_` delta: shared constants first, then what depends on size and hardware).
     stages: dict[str, list[str]] = field(default_factory=dict)
@@ -789,6 +798,9 @@ class PipelineConfig:
     dpo: DPODelta = field(default_factory=DPODelta)
 
     def __post_init__(self) -> None:
+        _choice("pipeline.on_weak_step", self.on_weak_step, ("stop", "warn"))
+        for key in ("reward_min_accuracy", "min_policy_accuracy", "sft_loss_still_falling"):
+            _positive(f"pipeline.{key}", getattr(self, key), allow_zero=True)
         for name in self.steps:
             _choice("pipeline.steps[]", name, tuple(STEP_SCHEMAS))
         for name, files in self.stages.items():

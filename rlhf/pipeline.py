@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import launch_step
-from rlhf.config import STEPS, Config, compose_config, to_schema
+from rlhf.config import STEPS, Config, ConfigError, compose_config, to_schema
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
 # Role paths typed on the command line are passed on and win over the chain's own outputs.
@@ -138,6 +138,12 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             entry = {"seconds": json.loads(wall.read_text())["seconds"] if wall.exists() else None,
                      "overrides": args, "delta": delta, "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
         else:
+            why = weak_step(schema.pipeline, name, step_schema, chain_dir, list(planned))
+            if why and schema.pipeline.on_weak_step == "stop":
+                _write_manifest(manifest_path, manifest)
+                raise ConfigError(f"{STEPS[name].title} not started: {why}; or pipeline.on_weak_step=warn runs it anyway")
+            if why:
+                print(f"[e2e] WARNING {STEPS[name].title} may not work: {why}", flush=True)
             print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
             start = time.perf_counter()
             launch_step.run_step(step_cfg, step_schema, args, command)
@@ -147,9 +153,8 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         if not (step_dir / "final_metrics.json").exists():
             raise RuntimeError(f"{STEPS[name].title} ended without final_metrics.json in {step_dir}")
         results[name] = json.loads((step_dir / "final_metrics.json").read_text())
-        if warning := weak_reward_model(schema, name, results[name]):
-            print(f"[e2e] WARNING {warning}", flush=True)
-            entry["warnings"] = [warning]
+        if name in todo and (why := weak_step(schema.pipeline, name, step_schema, chain_dir, list(planned))):
+            entry["warnings"] = [f"ran though it may not work (pipeline.on_weak_step=warn): {why}"]
         entry.update(run_dir=str(step_dir), output=outputs[name], metrics=results[name])
         manifest["steps"][name] = entry
         _write_manifest(manifest_path, manifest)
@@ -197,13 +202,48 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
     return "\n".join(lines)
 
 
-def weak_reward_model(schema: Config, name: str, metrics: dict) -> str | None:
-    floor, acc = schema.pipeline.reward_min_accuracy, metrics.get("eval/acc")
-    if name != "reward" or not floor or acc is None or acc >= floor:
-        return None
-    return (f"the reward model's held-out pairwise accuracy {acc:.3f} is below pipeline.reward_min_accuracy="
-            f"{floor}: PPO tends to exploit a weak reward model's mistakes (watch rollout/rm_rule_auc and the "
-            "warnings of the PPO step). Train it longer (pipeline.reward.step.epochs=N) or on more pairs")
+def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) -> str | None:
+    """Why the chain's step ``name`` cannot work, judged from the final figures of the steps before it
+    in ``chain_dir`` and the chain's floors (``pipe``: its pipeline settings); None if nothing says so.
+    One line: the figure, why it dooms the step, and the override that fixes it."""
+    def final(prev: str) -> dict:
+        f = chain_dir / prev / "final_metrics.json"
+        return json.loads(f.read_text()) if prev in steps and f.exists() else {}
+
+    if name == "ppo":
+        rm = final("reward").get("eval/acc")
+        if pipe.reward_min_accuracy and rm is not None and rm < pipe.reward_min_accuracy \
+                and step.step.reward_model_weight > 0:
+            return (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
+                    f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. Train it "
+                    "longer (pipeline.reward.step.epochs=N) or on more pairs")
+        acc = final("sft").get("eval/accuracy")
+        if pipe.min_policy_accuracy and acc is not None and acc < pipe.min_policy_accuracy:
+            return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="
+                    f"{pipe.min_policy_accuracy}: PPO can only reinforce right answers it samples, and it samples "
+                    "almost none. Train SFT longer (pipeline.sft.step.epochs=N)")
+    if pipe.sft_loss_still_falling and "sft" in steps and steps.index("sft") == steps.index(name) - 1:
+        sft = final("sft")
+        f = chain_dir / "sft" / "metrics.jsonl"
+        losses = [row["eval/loss"] for row in map(json.loads, f.open()) if "eval/loss" in row] if f.exists() else []
+        reached = sft.get("eval/accuracy", -1.0) >= (step_stop := _sft_stop_at(chain_dir))
+        if len(losses) >= 2 and not reached and losses[-2] > 0:
+            drop = (losses[-2] - losses[-1]) / losses[-2]
+            if drop > pipe.sft_loss_still_falling:
+                return (f"SFT stopped with its held-out loss still falling ({losses[-2]:.3f} -> {losses[-1]:.3f}, "
+                        f"{drop:.0%} over its last evaluation interval, more than pipeline.sft_loss_still_falling="
+                        f"{pipe.sft_loss_still_falling}"
+                        + (f"; held-out accuracy {sft['eval/accuracy']:.1%} < {step_stop}"
+                           if step_stop < 2 and "eval/accuracy" in sft else "")
+                        + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
+    return None
+
+
+def _sft_stop_at(chain_dir: Path) -> float:
+    """The SFT step's step.stop_at_accuracy from its resolved config (2, never reached, if unset)."""
+    cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml")
+    value = cfg.step.get("stop_at_accuracy")
+    return 2.0 if value is None else float(value)
 
 
 def _shown(args: list[str], name: str, delta: dict) -> str:

@@ -104,6 +104,27 @@ def main(cfg: Config) -> dict:
     return RUNNERS[cfg.step.name](cfg)
 
 
+def judge_start(cfg: Config, steps: list[str]) -> None:
+    """A chain's step started in a launch of several ranks is judged as the one-process chain judges
+    it (rlhf.pipeline.weak_step), from the chain's settings in the folder above the step's."""
+    from omegaconf import OmegaConf
+
+    from rlhf.config import ConfigError, PipelineConfig
+    from rlhf.pipeline import weak_step
+
+    chain_dir = Path(cfg.run_dir).parent
+    if not (chain_dir / "config.yaml").exists():
+        return
+    pipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig),
+                                               OmegaConf.load(chain_dir / "config.yaml").get("pipeline", {})))
+    if not (why := weak_step(pipe, cfg.step.name, cfg, chain_dir, steps)):
+        return
+    if pipe.on_weak_step == "stop":
+        raise ConfigError(f"{cfg.step.name} not started: {why}; or pipeline.on_weak_step=warn runs it anyway")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[e2e] WARNING {cfg.step.name} may not work: {why}", flush=True)
+
+
 def main_steps(paths: list[str]) -> None:
     import gc
     import json
@@ -120,6 +141,7 @@ def main_steps(paths: list[str]) -> None:
             continue
         start = time.perf_counter()
         try:
+            judge_start(cfg, [Path(p).parent.name for p in paths])
             main(cfg)
         except ConfigError as err:
             # A user's error (bad data, a rule that cannot score): one line for the launcher to show

@@ -196,6 +196,7 @@ def test_dry_run_counts_updates_names_the_hostfile_and_refuses_what_the_real_run
     assert not (tmp_path / "sft" / "config.yaml").exists(), "refused before the first step started"
 
 
+@pytest.mark.slow  # a third 2-rank launch; make test has two
 def test_two_ranks_starting_on_an_empty_cache_both_build_the_random_model_safely(tmp_path):
     """The fresh-machine failure: ranks started straight by the DeepSpeed launcher on an empty cache
     (no launch.py to build it first) left a random-model folder holding tokenizer files only."""

@@ -169,7 +169,7 @@ def test_ppo_config_errors_name_the_key():
         to_schema(compose(["step=ppo", "step.truncated_answers=drop"]))
 
 
-@pytest.mark.parametrize("mode", ["mask", "penalty"])
+@pytest.mark.parametrize("mode", ["mask", pytest.param("penalty", marks=pytest.mark.slow)])
 def test_truncated_answers_are_counted_and_masked_or_penalized(tmp_path, sft_and_reward, mode):
     """Answers of at most 2 tokens: most are cut without eos. Their fraction is logged, and so is
     the sampler's log-prob gap to a training forward (fp32: rounding only); mask leaves them out of
@@ -201,7 +201,8 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
                  "pipeline.sft.step.max_steps=10",
                  "pipeline.reward.step.max_steps=10", "pipeline.reward.step.rule_check_answers=0",
                  "pipeline.ppo.step.max_steps=2", "pipeline.ppo.step.rollout_batch_size_per_device=16",
-                 "pipeline.ppo.step.micro_batch_size_per_device=8", "pipeline.ppo.step.eval_prompts=16"]
+                 "pipeline.ppo.step.micro_batch_size_per_device=8", "pipeline.ppo.step.eval_prompts=16",
+                 "pipeline.on_weak_step=warn"]
     first = run(compose(overrides), overrides=overrides)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert list(manifest["steps"]) == ["sft", "reward", "ppo"]
@@ -219,10 +220,10 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     assert "Step 2 (reward model), " in block and "held-out pairwise accuracy" in block
     assert "Step 3 (PPO), " in block and "held-out accuracy by the rule" in block
     assert f"[e2e] next: python -m rlhf.chat --path {tmp_path / 'ppo' / 'model'}" in block
-    # 10 steps make a weak reward model: the chain says so before PPO games it, and again at the end.
-    assert "below pipeline.reward_min_accuracy=0.975" in manifest["steps"]["reward"]["warnings"][0]
-    assert "[e2e] WARNING the reward model's held-out pairwise accuracy" in out
-    assert "[e2e] WARNING reward: the reward model's held-out pairwise accuracy" in block
+    # 10 steps make a weak reward model: with on_weak_step=warn the chain says so before PPO and at the end.
+    assert "below pipeline.reward_min_accuracy=0.975" in manifest["steps"]["ppo"]["warnings"][0]
+    assert "[e2e] WARNING Step 3 (PPO) may not work: the reward model's held-out pairwise accuracy" in out
+    assert "[e2e] WARNING ppo: ran though it may not work (pipeline.on_weak_step=warn): the reward model's" in block
     assert (tmp_path / "ppo" / "model" / "config.json").exists()
 
     again = run(compose(overrides), overrides=overrides)
@@ -238,6 +239,24 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     assert final["best_step"] in (0, 2) and isinstance(final["warnings"], list)
     samples = [json.loads(line) for line in open(tmp_path / "ppo" / "samples.jsonl")]
     assert {s["step"] for s in samples} == {0, 2} and all(s["rule"] in (0.0, 1.0) for s in samples)
+
+
+def test_the_chain_refuses_a_step_that_cannot_work_with_one_line(tmp_path):
+    """Two SFT steps leave a policy with no right answers and a held-out loss still falling: the
+    chain refuses PPO after it (the rule as reward, so no reward model is needed), and a reward
+    model after it, each before the step starts, naming the figure, the reason and the fix."""
+    quick = [*QUIET, "pipeline=e2e", "pipeline.sft.step.max_steps=2", "pipeline.sft.step.eval_accuracy_prompts=32"]
+    ppo = [*quick, "pipeline.steps=[sft,ppo]", "pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0",
+           f"run_dir={tmp_path / 'ppo'}"]
+    with pytest.raises(ConfigError, match=r"Step 3 \(PPO\) not started: the SFT policy's held-out accuracy by the rule is "
+                                          r"0\.0%, below pipeline.min_policy_accuracy=0.02: .*\(pipeline.sft.step.epochs=N\)"
+                                          r".*pipeline.on_weak_step=warn"):
+        run(compose(ppo), overrides=ppo)
+    assert not (tmp_path / "ppo" / "ppo" / "final_metrics.json").exists()
+    reward = [*quick, "pipeline.steps=[sft,reward]", f"run_dir={tmp_path / 'reward'}"]
+    with pytest.raises(ConfigError, match=r"Step 2 \(reward model\) not started: SFT stopped with its held-out loss still "
+                                          r"falling \([0-9.]+ -> [0-9.]+, \d+% over its last evaluation interval"):
+        run(compose(reward), overrides=reward)
 
 
 def test_chat_cli_answers_clears_and_quits(sft_and_reward):
@@ -284,7 +303,7 @@ def test_the_chain_runs_on_a_users_own_folder_with_or_without_their_rule(tmp_pat
     overrides = ["pipeline=e2e", f"data.sources=[{{path: {data}}}]", *QUIET, f"run_dir={tmp_path / 'run'}",
                  "pipeline.sft.step.max_steps=5", "pipeline.reward.step.max_steps=5", "pipeline.ppo.step.max_steps=1",
                  "pipeline.ppo.step.rollout_batch_size_per_device=16", "pipeline.ppo.step.micro_batch_size_per_device=8",
-                 "pipeline.ppo.step.eval_prompts=8"]
+                 "pipeline.ppo.step.eval_prompts=8", "pipeline.on_weak_step=warn"]
     if with_rule:
         (tmp_path / "upper_rule.py").write_text(
             "def score(prompt, answer):\n"

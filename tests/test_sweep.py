@@ -7,6 +7,8 @@ import csv
 import subprocess
 import time
 
+import pytest
+
 from rlhf.launch import run
 from tests.conftest import compose, run_cli
 
@@ -33,6 +35,7 @@ def test_grid_records_a_failed_job_writes_tables_and_a_rerun_skips_finished_jobs
     assert "optim.scheduler='cosin' is not allowed" in again.stderr  # the failed job is tried again
 
 
+@pytest.mark.slow  # make test runs the grid sweep; test-all the Optuna search too
 def test_optuna_sweep_runs_three_trials(tmp_path):
     proc = _multirun("sweep=reward_optuna", "hydra.sweeper.n_trials=3", "step.max_steps=5",
                      "data.max_eval_samples=32", "step.save_model=false", f"hydra.sweep.dir={tmp_path}")

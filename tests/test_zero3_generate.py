@@ -94,7 +94,7 @@ def two_rank_run(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["trainable", "frozen"])
+@pytest.mark.parametrize("kind", ["trainable", pytest.param("frozen", marks=pytest.mark.slow)])
 def test_zero3_generate_gathers_once_and_matches_zero0(two_rank_run, kind):
     for rank, seen in enumerate(two_rank_run):
         seen = seen[kind]
