@@ -386,10 +386,17 @@ class SFTStepConfig(GreedyEvalStepConfig):
     # Stop training once that held-out accuracy reaches this (seeds vary a lot at a fixed step count,
     # so an SFT start for PPO is better chosen by accuracy); null: never.
     stop_at_accuracy: float | None = None
+    # Stop once the held-out loss has not improved on its best for this many evaluations in a row
+    # (it has stopped learning); 0: never.
+    early_stop_patience: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("step.loss_on", self.loss_on, ("answer", "all"))
+        _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
+        if self.early_stop_patience and self.eval_every_steps == 0 and self.epochs == 1:
+            raise ConfigError("step.early_stop_patience needs evaluations to compare: step.eval_every_steps > 0 "
+                              "or step.epochs > 1 (every epoch ends with one)")
         if self.stop_at_accuracy is not None and (self.eval_accuracy_prompts == 0 or self.eval_every_steps == 0):
             raise ConfigError("step.stop_at_accuracy needs step.eval_accuracy_prompts > 0 and step.eval_every_steps > 0")
 
@@ -406,10 +413,17 @@ class RewardStepConfig(StepConfig):
     # Rule check: on the shipped synthetic task, answers scored per eval prompt (the right one and
     # near misses); with a user's data.rule, the eval pairs as that rule ranks them; 0 turns it off.
     rule_check_answers: int = 6
+    # Stop once the held-out pairwise accuracy has not improved on its best for this many evaluations
+    # in a row; 0: never.
+    early_stop_patience: int = 0
+    # Output the reward model of the evaluation with the best held-out pairwise accuracy (the last one
+    # is kept in model_last/), not simply the last one.
+    keep_best: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("step.score_at", self.score_at, ("last", "divergence"))
+        _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
         _positive("step.score_regularizer", self.score_regularizer, allow_zero=True)
         _positive("step.rule_check_answers", self.rule_check_answers, allow_zero=True)
 

@@ -95,3 +95,26 @@ def test_reward_variants_learn_and_save(tmp_path, variant):
     assert final["eval/acc"] > final["eval/acc_before"] + 0.1, final
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model", num_labels=1)
     assert not any("lora" in k for k in hf.state_dict())
+
+
+def test_the_best_evaluated_reward_model_is_the_output(tmp_path):
+    """A constant, too-high learning rate makes held-out accuracy wander: model/ is the reward model of
+    the best evaluation (its scores reproduce that accuracy), the last one is in model_last/, and
+    the final figures say which step and which rule ended the run."""
+    dict_cfg = compose([*FAST, "data.max_eval_samples=64", "step.max_steps=80", "step.eval_every_steps=10",
+                        "optim.lr=3e-2", "optim.scheduler=constant", "step.rule_check_answers=0", f"run_dir={tmp_path}"])
+    final = run(dict_cfg)
+    evals = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if "eval/acc" in x]
+    best = max(evals, key=lambda r: r["eval/acc"])
+    assert final["stopped_by"] == "the cap step.max_steps=80" and final["step"] == 80
+    assert best["eval/acc"] > evals[-1]["eval/acc"], "the test needs a last evaluation below the best"
+    assert final["best_step"] == best["step"] and final["eval/acc"] == best["eval/acc"]
+    assert final["eval/acc_last"] == evals[-1]["eval/acc"] and (tmp_path / "model_last" / "config.json").exists()
+    assert not (tmp_path / "best_model").exists()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    batch = _eval_batch(to_schema(dict_cfg), tok)
+    with torch.no_grad():
+        scores = losses.gather_at(load_reward_model(str(tmp_path / "model"), tok).eval()(
+            batch["input_ids"], batch["attention_mask"]), losses.end_indices(batch["attention_mask"]))
+    half = len(scores) // 2
+    assert (scores[:half] > scores[half:]).float().mean().item() == pytest.approx(best["eval/acc"], abs=1e-6)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.config import to_schema
+from rlhf.config import ConfigError, to_schema
 from rlhf.data.blend import DataReport, load_step_data
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.launch import run
@@ -98,3 +98,16 @@ def test_cli_default_command_writes_loss_metrics(tmp_path):
     assert any("loss" in r for r in rows)
     assert "zero=3" in (tmp_path / "command.txt").read_text()
     assert json.loads((tmp_path / "run.json").read_text())["overrides"][:3] == ["step=sft", "model=tiny-llama", "zero='3'"]
+
+
+def test_sft_stops_once_its_held_out_loss_stops_improving(tmp_path):
+    """A learning rate far too high makes the held-out loss rise: two evaluations without a new best
+    (step.early_stop_patience=2) end the run at step 10 of 60, and the final figures say why."""
+    final = run(compose(["step.max_steps=60", "step.eval_every_steps=5", "step.early_stop_patience=2", "optim.lr=0.1",
+                         "optim.warmup_steps=0", "data.max_eval_samples=64", "logging.progress_bar=false",
+                         f"run_dir={tmp_path}"]))
+    assert final["step"] == 10 and final["eval/loss"] > final["eval/loss_before"]
+    assert final["stopped_by"].startswith("eval/loss did not beat its best") and "step.early_stop_patience" in \
+        final["stopped_by"]
+    with pytest.raises(ConfigError, match="step.early_stop_patience needs evaluations"):
+        to_schema(compose(["step.early_stop_patience=2"]))

@@ -162,11 +162,15 @@ def say(line: str) -> None:
 
 
 def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, last: dict, logger,
-           save_more=None) -> dict:
+           save_more=None, stopped_by: str | None = None) -> dict:
     """Save the model (HF format), then whatever ``save_more(final)`` saves besides, and write
     final_metrics.json -- the marker of a finished step, so it is written last."""
     run_dir = Path(cfg.run_dir)
     final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
+    if stopped_by:
+        final["stopped_by"] = stopped_by
+        if rank == 0:
+            say(f"[{cfg.step.name}] stopped at step {step} by {stopped_by}")
     if cfg.step.save_model:
         save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         final["model_dir"] = str(run_dir / "model")
@@ -199,6 +203,36 @@ class LoopState:
     # Sums since the last log line, and how many micro batches they cover.
     window: dict = field(default_factory=dict)
     window_micro: int = 0
+    # The best evaluation by the step's readiness figure, its step, evaluations since without a better
+    # one, and the rule that ended the step (said in the final figures).
+    best: dict = field(default_factory=dict)
+    best_step: int = 0
+    stale_evals: int = 0
+    stopped_by: str = ""
+
+    def judge(self, metrics: dict, key: str, higher_is_better: bool, patience: int) -> bool:
+        """Fold an evaluation into the best so far by ``key``; True, with ``stopped_by`` saying why,
+        once ``patience`` evaluations in a row (0: never) have not beaten the best."""
+        if key not in metrics:
+            return False
+        best = self.best.get(key)
+        if best is None or (metrics[key] > best if higher_is_better else metrics[key] < best):
+            self.best, self.best_step, self.stale_evals = dict(metrics), self.step, 0
+            return False
+        self.stale_evals += 1
+        if patience and self.stale_evals >= patience:
+            self.stopped_by = (f"{key} did not beat its best ({best:.4f}, step {self.best_step}) for {patience} "
+                               "evaluations (step.early_stop_patience)")
+            return True
+        return False
+
+    def stop_reason(self, cfg: Config) -> str:
+        """Why the loop ended: a readiness rule's reason, or the cap on its length."""
+        if self.stopped_by:
+            return self.stopped_by
+        if cfg.step.max_steps > 0 and self.step >= cfg.step.max_steps:
+            return f"the cap step.max_steps={cfg.step.max_steps}"
+        return f"the cap step.epochs={cfg.step.epochs}"
 
     def at(self, epoch: int, batch_index: int, window_micro: int) -> dict:
         """Client state for a checkpoint taken before micro batch ``batch_index`` of ``epoch``."""
@@ -215,7 +249,7 @@ def start_loop(ckpt, cfg: Config, rank: int, total_steps: int, window_keys: tupl
     logger = open_logger(cfg, rank, fresh=resumed is None)
     if resumed is None:
         return LoopState(total_steps, window=dict.fromkeys(window_keys, 0.0)), False, logger
-    state = LoopState(**{f.name: resumed[f.name] for f in fields(LoopState)})
+    state = LoopState(**{f.name: resumed[f.name] for f in fields(LoopState) if f.name in resumed})
     logger.truncate_after(state.step)
     set_rng_state(resumed["rng"])
     if rank == 0:

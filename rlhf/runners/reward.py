@@ -13,14 +13,17 @@ with the data's rule (the shipped tasks' near misses, or a user's ``data.rule`` 
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf import losses, models, rewards
-from rlhf.checkpoint import StopRequest
+from rlhf.checkpoint import StopRequest, save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, load_step_data
@@ -152,9 +155,18 @@ def run(cfg: Config) -> dict:
             common.say(f"[reward] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
         return metrics
 
+    def ready(epoch: int) -> bool:
+        """Evaluate; keep the model of a new best held-out accuracy; whether patience has run out."""
+        state.last, state.last_eval_step = full_eval(state.step, epoch), state.step
+        done = state.judge(state.last, "eval/acc", True, step_cfg.early_stop_patience)
+        if state.best_step == state.step and step_cfg.keep_best and step_cfg.save_model:
+            save_hf_model(engine, tokenizer, Path(cfg.run_dir) / "best_model")
+        return done
+
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         state.first = state.last = full_eval(0, 0)
+        state.judge(state.first, "eval/acc", True, 0)
     meter = common.Throughput(cfg, n_params, world)
     meter.micro = state.window_micro
     skip = state.batch_index
@@ -182,14 +194,14 @@ def run(cfg: Config) -> dict:
                 logger.log(metrics, step=state.step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
                 state.window = dict.fromkeys(window, 0.0)
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
-                state.last, state.last_eval_step = full_eval(state.step, epoch), state.step
+            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0 and ready(epoch):
+                state.total_steps = state.step
             if state.step >= state.total_steps:
                 break
             ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "reward")
         skip = 0
-        if state.last_eval_step != state.step:
-            state.last, state.last_eval_step = full_eval(state.step, epoch + 1), state.step
+        if state.last_eval_step != state.step and ready(epoch + 1):
+            state.total_steps = state.step
         if state.step >= state.total_steps:
             break
         # The epoch boundary: a resume trains the remaining epochs.
@@ -197,4 +209,21 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
+    def keep_best(final: dict) -> None:
+        """model/ is the best evaluation's reward model, the last one model_last/ (rank 0 moves them)."""
+        best = Path(cfg.run_dir) / "best_model"
+        if rank != 0 or not best.exists():
+            return
+        if state.best_step == state.step or not step_cfg.keep_best:
+            shutil.rmtree(best)
+            return
+        shutil.rmtree(Path(cfg.run_dir) / "model_last", ignore_errors=True)
+        os.replace(Path(cfg.run_dir) / "model", Path(cfg.run_dir) / "model_last")
+        os.replace(best, Path(cfg.run_dir) / "model")
+        final.update({f"{k}_last": v for k, v in state.last.items()}, **state.best, best_step=state.best_step)
+        common.say(f"[reward] output: model/ is the reward model of step {state.best_step} (held-out accuracy "
+                   f"{state.best['eval/acc']:.4f}, the best evaluation); the last one "
+                   f"({state.last['eval/acc']:.4f}) is in model_last/")
+
+    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger, keep_best,
+                         stopped_by=state.stop_reason(cfg))

@@ -87,9 +87,21 @@ def run(cfg: Config) -> dict:
     stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
+    def ready(epoch: int) -> bool:
+        """Evaluate, and whether a readiness rule says SFT is done (the reason in state.stopped_by)."""
+        state.last, state.last_eval_step = evaluate(), state.step
+        logger.log({**state.last, "epoch": epoch}, step=state.step)
+        if accuracy_prompts and step_cfg.stop_at_accuracy is not None and \
+                state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
+            state.stopped_by = (f"held-out accuracy {state.last['eval/accuracy']:.3f} >= "
+                                f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}")
+            return True
+        return state.judge(state.last, "eval/loss", False, step_cfg.early_stop_patience)
+
     if not resumed:
         state.first = state.last = evaluate()
         logger.log({**state.first, "epoch": 0}, step=0)
+        state.judge(state.first, "eval/loss", False, 0)
     meter = common.Throughput(cfg, n_params, world)
     meter.micro = state.window_micro
     skip = state.batch_index
@@ -112,22 +124,15 @@ def run(cfg: Config) -> dict:
                 if rank == 0 and not cfg.logging.progress_bar:
                     common.say(f"[sft] step {state.step}/{state.total_steps} {format_line(metrics)}")
                 state.window["loss"] = 0.0
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
-                state.last, state.last_eval_step = evaluate(), state.step
-                logger.log({**state.last, "epoch": epoch}, step=state.step)
-                if accuracy_prompts and step_cfg.stop_at_accuracy is not None and \
-                        state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
-                    if rank == 0:
-                        common.say(f"[sft] step {state.step}: held-out accuracy {state.last['eval/accuracy']:.3f} >= "
-                              f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}; stopping")
-                    state.total_steps = state.step
+            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0 and ready(epoch):
+                state.total_steps = state.step
             if state.step >= state.total_steps:
                 break
             ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "sft")
         skip = 0
         if state.last_eval_step != state.step:
-            state.last, state.last_eval_step = evaluate(), state.step
-            logger.log({**state.last, "epoch": epoch + 1}, step=state.step)
+            if ready(epoch + 1):
+                state.total_steps = state.step
             if rank == 0:
                 common.say(f"[sft] epoch {epoch + 1}: eval ppl {state.first['eval/ppl']:.3f} -> "
                       f"{state.last['eval/ppl']:.3f}")
@@ -138,4 +143,5 @@ def run(cfg: Config) -> dict:
     bar.close()
 
     # -------------------------------------------------------------------------------- save
-    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
+    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger,
+                         stopped_by=state.stop_reason(cfg))
