@@ -182,13 +182,13 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     micro, accumulation = step_cfg.micro_batch_size_per_device, step_cfg.gradient_accumulation_steps
     scale = accumulation * world_size()
     agg, budget = step_cfg.loss_agg, step_cfg.max_new_tokens
+    token_col = 0 if losses.LOSS_AGGS[agg].unit == "token" else 1  # the column of step_counts agg divides by
     sums = dict.fromkeys(("policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
     count = steps = 0
     start = exp.start
     for epoch in range(step_cfg.ppo_epochs):
         order = torch.randperm(n, generator=generator)
         counts = step_counts(exp, order, micro, accumulation)
-        token_col = 0 if losses.LOSS_AGGS[agg].unit == "token" else 1
         for j, i in enumerate(range(0, n, micro)):
             idx = order[i:i + micro].to(exp.seq.device)
             mask = exp.loss_mask[idx]
