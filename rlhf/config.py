@@ -366,8 +366,10 @@ class StepConfig:
 class GreedyEvalStepConfig(StepConfig):
     """A step whose policy is also judged by greedy answers to held-out prompts (SFT, DPO)."""
 
-    # Held-out prompts answered greedily and scored by the data's rule at each eval (data.rule, or the
-    # shipped tasks' rule on their prompts); 0: off.
+    # Held-out prompts answered greedily and scored by the data's rule (data.rule, or the shipped
+    # tasks' rule on their prompts), per half: a stop rule reads the first half of the distinct eval
+    # prompts at each eval (select/accuracy), the reported figure comes from the second, before
+    # training and of the output (eval/accuracy); 0: off.
     eval_accuracy_prompts: int = 0
     # Longest greedy answer in that check, in tokens.
     max_new_tokens: int = 8
@@ -557,7 +559,9 @@ class PPOStepConfig(StepConfig):
     offload_reference: bool = False
     # Keep the frozen reward model's parameters in host memory (ZeRO-3 offload).
     offload_reward: bool = False
-    # Held-out prompts scored by greedy decoding (with the rule, where it applies) at each eval; 0: off.
+    # Held-out prompts scored by greedy decoding (with the rule, where it applies), per half: keeping
+    # the best actor and the hacking warning read the first half at each eval (select/*), the figures
+    # reported (before, after, the output's) come from the second (eval/*); 0: off.
     eval_prompts: int = 256
     # Where a rule scores the held-out prompts: the output model is the actor of the evaluation with the
     # best held-out accuracy (the last actor is kept in model_last/), not simply the last one -- PPO

@@ -226,15 +226,16 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
         sft = final("sft")
         f = chain_dir / "sft" / "metrics.jsonl"
         losses = [row["eval/loss"] for row in map(json.loads, f.open()) if "eval/loss" in row] if f.exists() else []
-        reached = sft.get("eval/accuracy", -1.0) >= (step_stop := _sft_stop_at(chain_dir))
+        # Whether SFT's own stop rule fired: it reads the select half (select/accuracy).
+        reached = sft.get("select/accuracy", -1.0) >= (step_stop := _sft_stop_at(chain_dir))
         if len(losses) >= 2 and not reached and losses[-2] > 0:
             drop = (losses[-2] - losses[-1]) / losses[-2]
             if drop > pipe.sft_loss_still_falling:
                 return (f"SFT stopped with its held-out loss still falling ({losses[-2]:.3f} -> {losses[-1]:.3f}, "
                         f"{drop:.0%} over its last evaluation interval, more than pipeline.sft_loss_still_falling="
                         f"{pipe.sft_loss_still_falling}"
-                        + (f"; held-out accuracy {sft['eval/accuracy']:.1%} < {step_stop}"
-                           if step_stop < 2 and "eval/accuracy" in sft else "")
+                        + (f"; held-out accuracy {sft['select/accuracy']:.1%} < {step_stop}"
+                           if step_stop < 2 and "select/accuracy" in sft else "")
                         + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
     return None
 

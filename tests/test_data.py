@@ -9,7 +9,7 @@ from datasets import Dataset
 
 from rlhf.config import DataConfig, SourceConfig
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport, blend, load_step_data, split_part
+from rlhf.data.blend import DataReport, blend, heldout_split, load_step_data, split_part
 from rlhf.data.tokenize import IGNORE_INDEX, BadRowError, PadCollator, sft_dataset
 from tests.conftest import ROOT
 
@@ -85,6 +85,19 @@ def test_split_parts_are_disjoint_cover_all_and_are_deterministic():
     assert sorted(parts[0] + parts[1] + parts[2]) == list(range(1000))
     assert list(split_part(ds, [0.2, 0.4, 0.4], 1, seed=7)["i"]) == parts[1]
     assert list(split_part(ds, [0.2, 0.4, 0.4], 1, seed=8)["i"]) != parts[1]
+
+
+def test_held_out_rows_split_by_prompt_into_a_select_and_a_report_half():
+    """Rules select on one half of the distinct prompts, figures are reported on the other: no prompt
+    in both, every row of a prompt in one half, and the halves do not move with the cap (every step of
+    a chain selects on the same prompts whatever its own cap)."""
+    prompts = ["a", "b", "a", "c", "d", "e", "b", "f", "g"]  # 7 distinct: halves of 3, "g" in neither
+    select, report = heldout_split(prompts)
+    assert [prompts[i] for i in select] == ["a", "b", "a", "c", "b"] and [prompts[i] for i in report] == ["d", "e", "f"]
+    select2, report2 = heldout_split(prompts, cap=2)
+    assert {prompts[i] for i in select2} == {"a", "b"} and {prompts[i] for i in report2} == {"d", "e"}
+    assert set(select2) <= set(select) and set(report2) <= set(report)
+    assert heldout_split(["only"]) == ([], [])
 
 
 def test_step_parts_of_the_shipped_blend_are_disjoint():

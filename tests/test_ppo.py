@@ -81,6 +81,26 @@ def test_scoring_in_generation_chunks_gives_the_same_step(tmp_path, sft_and_rewa
         assert rows[5][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
 
 
+def test_ppo_keeps_its_best_actor_by_one_half_of_the_prompts_and_reports_the_other(tmp_path, sft_and_reward):
+    """Every evaluation answers the select half (select/*), which alone picks the best actor; the
+    reported half (eval/*) is answered at step 0, for each new best and at the end, so the output's
+    reported accuracy comes from prompts the choice never read."""
+    sft, _ = sft_and_reward
+    final = run(compose([*PPO_FAST, "step.reward_fn=rule", "step.reward_model_weight=0", "step.max_steps=4",
+                         "step.eval_every_steps=1", "step.advantage_estimator=grpo", "step.samples_per_prompt=4",
+                         f"actor.path={sft}", f"run_dir={tmp_path}"]))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "select/accuracy" in line]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    record = -1.0
+    for r in rows:
+        new_best = r["select/accuracy"] > record
+        record = max(record, r["select/accuracy"])
+        assert ("eval/accuracy" in r) == (new_best or r["step"] in (0, 4)), r
+    best = max(rows, key=lambda r: r["select/accuracy"])  # the first of equals, as the runner keeps it
+    assert final["best_step"] == best["step"] and final["eval/accuracy"] == best["eval/accuracy"]
+    assert final["eval/accuracy_before"] == rows[0]["eval/accuracy"]
+
+
 def test_ppo_with_rule_reward_grpo_ema_and_ptx_text(tmp_path, sft_and_reward):
     sft, _ = sft_and_reward
     (tmp_path / "ptx").mkdir()

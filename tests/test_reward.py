@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf import losses
 from rlhf.config import to_schema
-from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.launch import run
 from rlhf.models import load_reward_model
@@ -23,9 +23,11 @@ FAST = ["step=reward", "model=tiny-opt", "data.max_eval_samples=256", "logging.p
 
 
 def _eval_batch(cfg, tok):
+    """The held-out pairs eval/* is reported on: the report half of the prompts."""
     _, rows = load_step_data(cfg.data, "reward", DataReport())
     ds = pair_dataset(rows, tok, cfg.step.max_seq_len, DataReport(), "eval")
-    return PairCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])
+    report = heldout_split([tuple(ids[:n]) for ids, n in zip(ds["chosen_ids"], ds["prompt_len"], strict=True)])[1]
+    return PairCollator(tok.pad_token_id)([ds[i] for i in report])
 
 
 def test_reward_model_learns_the_task_and_reloads_identically(tmp_path):
@@ -105,9 +107,9 @@ def test_the_best_evaluated_reward_model_is_the_output(tmp_path):
                         "optim.lr=3e-2", "optim.scheduler=constant", "step.rule_check_answers=0", f"run_dir={tmp_path}"])
     final = run(dict_cfg)
     evals = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if "eval/acc" in x]
-    best = max(evals, key=lambda r: r["eval/acc"])
+    best = max(evals, key=lambda r: r["select/acc"])  # the rule reads the select half; the first best wins
     assert final["stopped_by"] == "the cap step.max_steps=80" and final["step"] == 80
-    assert best["eval/acc"] > evals[-1]["eval/acc"], "the test needs a last evaluation below the best"
+    assert best["select/acc"] > evals[-1]["select/acc"], "the test needs a last evaluation below the best"
     assert final["best_step"] == best["step"] and final["eval/acc"] == best["eval/acc"]
     assert final["eval/acc_last"] == evals[-1]["eval/acc"] and (tmp_path / "model_last" / "config.json").exists()
     assert not (tmp_path / "best_model").exists()

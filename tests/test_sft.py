@@ -111,3 +111,17 @@ def test_sft_stops_once_its_held_out_loss_stops_improving(tmp_path):
         final["stopped_by"]
     with pytest.raises(ConfigError, match="step.early_stop_patience needs evaluations"):
         to_schema(compose(["step.early_stop_patience=2"]))
+
+
+def test_sft_stops_on_one_half_of_the_held_out_prompts_and_reports_the_other(tmp_path):
+    """step.stop_at_accuracy reads select/accuracy (the select half); eval/accuracy comes from the other
+    half of the prompts, measured before training and on the output only, never during the run: a
+    figure the stop rule chose is optimistic. A bar of 0 stops at the first evaluation."""
+    final = run(compose([*FAST, "step.eval_every_steps=5", "step.eval_accuracy_prompts=16",
+                         "step.stop_at_accuracy=0.0", "step.max_new_tokens=8", f"run_dir={tmp_path}"]))
+    assert final["step"] == 5 and final["stopped_by"] == "held-out accuracy 0.000 >= step.stop_at_accuracy=0.0"
+    assert {"select/accuracy", "eval/accuracy", "eval/accuracy_before", "select/accuracy_before"} <= set(final)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "select/accuracy" in r] == [0, 5]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 5]
+    assert "eval/accuracy" not in next(r for r in rows if r["step"] == 5 and "select/accuracy" in r)

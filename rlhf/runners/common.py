@@ -55,6 +55,12 @@ def step_data(cfg: Config, step: str, tokenizer, params: dict, build) -> tuple:
     return (*out, report)
 
 
+def as_select(metrics: dict[str, float]) -> dict[str, float]:
+    """An evaluation on the held-out half that readiness rules read, named select/* (eval/* is the
+    reported half's; see rlhf.data.blend.heldout_split)."""
+    return {"select/" + k.split("/", 1)[1]: v for k, v in metrics.items()}
+
+
 def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int, role: str,
                  frozen: dict | None = None, dropout: float | None = None):
     """The step's one trainable model, loaded with ``load`` (models.load_causal_lm or

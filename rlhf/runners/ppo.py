@@ -15,6 +15,7 @@ runs ppo_epochs of clipped policy (and value) updates. The RL math is in rlhf/lo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from rlhf.checkpoint import (
     set_rng_state,
 )
 from rlhf.config import Config, ConfigError, ppo_role_problems, ppo_updates_per_step
-from rlhf.data.blend import DataReport, load_step_data, load_text_sources
+from rlhf.data.blend import DataReport, heldout_split, load_step_data, load_text_sources
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.distributed import cat_over_ranks, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
@@ -55,7 +56,7 @@ from rlhf.rollout import (
     prompt_dataset,
     response_mask,
 )
-from rlhf.runners.common import count_params, finish, open_logger, say
+from rlhf.runners.common import as_select, count_params, finish, open_logger, say
 
 
 # ------------------------------------------------------------------------------- rollouts
@@ -327,8 +328,11 @@ def run(cfg: Config) -> dict:
     train_rows, eval_rows = load_step_data(cfg.data, "ppo", report, tokenizer)
     train_prompts = prompt_dataset(train_rows, tokenizer, step_cfg.max_prompt_len, report, "train",
                                    cfg.data.long_prompts)
-    eval_prompts = prompt_dataset(eval_rows, tokenizer, step_cfg.max_prompt_len, report, "eval",
-                                  cfg.data.long_prompts)[:step_cfg.eval_prompts]
+    # Held-out prompts, halved: keeping the best actor and the hacking warning read one half
+    # (select/*), every reported figure (before, after, the output's) comes from the other (eval/*).
+    select_prompts, eval_prompts = (
+        prompt_dataset(eval_rows.select(part), tokenizer, step_cfg.max_prompt_len, report, "eval",
+                       cfg.data.long_prompts) for part in heldout_split(eval_rows["prompt"], step_cfg.eval_prompts))
     # The data's rule (data.rule, or the shipped tasks' on their prompts) measures greedy accuracy and
     # the truth of the rollouts even when it is not part of the reward: the check against the truth.
     data_rule = rewards.task_rule(cfg.data.rule, [p["prompt"] for p in eval_prompts])
@@ -412,24 +416,32 @@ def run(cfg: Config) -> dict:
     warnings: list[str] = []
     keep_best = step_cfg.keep_best and eval_rule is not None and step_cfg.save_model
 
-    def full_eval(step: int) -> dict[str, float]:
+    def full_eval(step: int, reported: bool) -> dict[str, float]:
+        """Greedy answers to the select half (select/*), and to the reported half (eval/*) where
+        ``reported`` or where the select half makes this actor the best so far (it may be the output)."""
         nonlocal best
         samples: list[dict] = []
-        metrics = evaluate(actor, reward, eval_rule, eval_prompts, tokenizer, step_cfg.max_new_tokens,
-                           step_cfg.eval_micro_batch_size_per_device, gather_whole, samples)
+        greedy = functools.partial(evaluate, actor, reward, eval_rule, tokenizer=tokenizer,
+                                   max_new_tokens=step_cfg.max_new_tokens,
+                                   batch_size=step_cfg.eval_micro_batch_size_per_device, gather_whole=gather_whole)
+        chosen = greedy(prompts=select_prompts, samples=samples)
+        metrics = as_select(chosen)
+        better = "eval/accuracy" in chosen and (not best or chosen["eval/accuracy"] > best["select"]["eval/accuracy"])
+        if reported or better:
+            metrics.update(greedy(prompts=eval_prompts))
         logger.log(metrics, step=step)
         if rank == 0 and metrics:
-            say(f"[ppo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
+            say(f"[ppo] step {step} " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in metrics.items()))
             with open(run_dir / "samples.jsonl", "a") as f:  # what the greedy answers look like, per evaluation
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples[:16])
-        if "eval/accuracy" not in metrics:
+        if "eval/accuracy" not in chosen:
             return metrics
-        if best and (why := hacking_warning(best["metrics"], metrics, len(eval_prompts))) and not warnings:
+        if best and (why := hacking_warning(best["select"], chosen, len(select_prompts))) and not warnings:
             warnings.append(f"step {step}: {why}")
             if rank == 0:
                 say(f"[ppo] WARNING {warnings[-1]}")
-        if not best or metrics["eval/accuracy"] > best["metrics"]["eval/accuracy"]:
-            best = {"step": step, "metrics": metrics}
+        if better:
+            best = {"step": step, "metrics": metrics, "select": chosen}
             # Step 0's actor is the start (on disk as the SFT output); the final one is saved as model/ anyway.
             if keep_best and 0 < step < ppo_steps:
                 save_hf_model(actor, tokenizer, run_dir / "best_model", merge_lora=cfg.lora.merge_on_save)
@@ -450,7 +462,7 @@ def run(cfg: Config) -> dict:
             say(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})")
     else:
         fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
-        first = last = full_eval(0)
+        first = last = full_eval(0, True)
         step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
 
     def state(epoch: int, batch_index: int) -> dict:
@@ -504,7 +516,7 @@ def run(cfg: Config) -> dict:
                 keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "kl_loss", "step_s")
                 say(f"[ppo] step {step}/{ppo_steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
             if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
-                last, last_eval_step = full_eval(step), step
+                last, last_eval_step = full_eval(step, step >= ppo_steps), step
             if step >= ppo_steps:
                 break
             ckpt.after_step(step, state(epoch, index + 1), stop, logger, "ppo")
@@ -514,7 +526,7 @@ def run(cfg: Config) -> dict:
         ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
     bar.close()
     if last_eval_step != step:
-        last = full_eval(step)
+        last = full_eval(step, True)
 
     # -------------------------------------------------------------------------------- save
     # How far the weights moved, as |change| of (sum, sum of squares): 0 for the frozen reference.

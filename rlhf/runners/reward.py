@@ -26,7 +26,7 @@ from rlhf import losses, models, rewards
 from rlhf.checkpoint import StopRequest, save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport, load_step_data
+from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.distributed import mean_over_ranks
 from rlhf.runners import common
@@ -126,17 +126,25 @@ def run(cfg: Config) -> dict:
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
-    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
-    # The rule check: on the shipped tasks, the right answer and near misses of each eval prompt; with
-    # a user's rule (data.rule), the eval pairs as the rule ranks them; else none.
+    # Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
+    # reported figure comes from the other (eval/*). One prompt: no split, both read it.
+    select_rows, report_rows = heldout_split([tuple(ids[:n]) for ids, n in zip(eval_ds["chosen_ids"],
+                                                                                eval_ds["prompt_len"], strict=True)])
+    if not select_rows:
+        select_rows = report_rows = list(range(len(eval_ds)))
+    selection = common.eval_loader(eval_ds.select(select_rows), cfg, rank, world, collate)
+    evaluation = common.eval_loader(eval_ds.select(report_rows), cfg, rank, world, collate)
+    # The rule check, on the reported half's prompts: on the shipped tasks, the right answer and near
+    # misses of each prompt; with a user's rule (data.rule), the eval pairs as the rule ranks them.
     cands = []
     if step_cfg.rule_check_answers:
-        prompts = list(dict.fromkeys(eval_prompts))
+        prompts = list(dict.fromkeys(eval_prompts[i] for i in heldout_split(eval_prompts)[1]))
         if not cfg.data.rule and all(synthetic.parse_prompt(p) is not None for p in prompts):
             cands = shipped_candidates(prompts, step_cfg.rule_check_answers, cfg.data.seed)
         elif cfg.data.rule:
             rule = rewards.resolve(cfg.data.rule, "data.rule")
-            cands = rule_candidates(load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1], rule)
+            rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
+            cands = rule_candidates(rows.select(heldout_split(rows["prompt"])[1]), rule)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_reward_model, model_path, tokenizer, total_steps, "reward")
@@ -147,18 +155,20 @@ def run(cfg: Config) -> dict:
     stop = StopRequest()
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
-        metrics = evaluate(engine, evaluation, step_cfg.score_at)
+        metrics = {**common.as_select(evaluate(engine, selection, step_cfg.score_at)),
+                   **evaluate(engine, evaluation, step_cfg.score_at)}
         if cands:
             metrics.update(rule_check(engine, tokenizer, cands))
         logger.log({**metrics, "epoch": epoch}, step=step)
         if rank == 0:
-            common.say(f"[reward] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
+            common.say(f"[reward] step {step} " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}"
+                                                           for k, v in metrics.items()))
         return metrics
 
     def ready(epoch: int) -> bool:
         """Evaluate; keep the model of a new best held-out accuracy; whether patience has run out."""
         state.last, state.last_eval_step = full_eval(state.step, epoch), state.step
-        done = state.judge(state.last, "eval/acc", True, step_cfg.early_stop_patience)
+        done = state.judge(state.last, "select/acc", True, step_cfg.early_stop_patience)
         if state.best_step == state.step and step_cfg.keep_best and step_cfg.save_model:
             save_hf_model(engine, tokenizer, Path(cfg.run_dir) / "best_model")
         return done
@@ -166,7 +176,7 @@ def run(cfg: Config) -> dict:
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         state.first = state.last = full_eval(0, 0)
-        state.judge(state.first, "eval/acc", True, 0)
+        state.judge(state.first, "select/acc", True, 0)
     meter = common.Throughput(cfg, n_params, world)
     meter.micro = state.window_micro
     skip = state.batch_index
@@ -222,7 +232,7 @@ def run(cfg: Config) -> dict:
         os.replace(best, Path(cfg.run_dir) / "model")
         final.update({f"{k}_last": v for k, v in state.last.items()}, **state.best, best_step=state.best_step)
         common.say(f"[reward] output: model/ is the reward model of step {state.best_step} (held-out accuracy "
-                   f"{state.best['eval/acc']:.4f}, the best evaluation); the last one "
+                   f"{state.best['eval/acc']:.4f}, the best evaluation by select/acc); the last one "
                    f"({state.last['eval/acc']:.4f}) is in model_last/")
 
     return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger, keep_best,

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from rlhf import memory, models, rewards, rollout
 from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
+from rlhf.data.blend import heldout_split
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.distributed import mean_over_ranks
 from rlhf.logging import format_line
@@ -57,27 +58,32 @@ def run(cfg: Config) -> dict:
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
-    # Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts).
-    accuracy_prompts = []
+    # Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts):
+    # the stop rule reads one half of the held-out prompts (select/accuracy), the reported figure
+    # (eval/accuracy, before training and of the output) comes from the other half.
+    select_prompts, report_prompts = [], []
     rule = rewards.task_rule(cfg.data.rule, eval_prompts)
-    if step_cfg.eval_accuracy_prompts and rule is not None:
-        accuracy_prompts = rollout.prompt_dataset([{"prompt": p} for p in eval_prompts], tokenizer,
-                                                  step_cfg.max_seq_len, report, "eval")[: step_cfg.eval_accuracy_prompts]
+    parts = heldout_split(eval_prompts, step_cfg.eval_accuracy_prompts)
+    if step_cfg.eval_accuracy_prompts and rule is not None and all(parts):
+        select_prompts, report_prompts = (
+            rollout.prompt_dataset([{"prompt": eval_prompts[i]} for i in part], tokenizer, step_cfg.max_seq_len,
+                                   report, "eval") for part in parts)
 
-    if step_cfg.stop_at_accuracy is not None and not accuracy_prompts and rank == 0:
+    if step_cfg.stop_at_accuracy is not None and not select_prompts and rank == 0:
         common.say(f"[sft] no rule scores these prompts (data.rule), so held-out accuracy cannot be measured: "
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
               "(step.epochs / step.max_steps)")
 
     gather_whole = memory.generation_gathers_whole_model(cfg)  # decided once, as the pre-flight did
 
-    def evaluate() -> dict[str, float]:
-        metrics = perplexity(engine, evaluation)
-        if accuracy_prompts:
-            acc = rollout.evaluate(engine, None, rule, accuracy_prompts, tokenizer,
-                                   step_cfg.max_new_tokens, step_cfg.eval_micro_batch_size_per_device, gather_whole)
-            metrics.update(acc)
-        return metrics
+    def greedy(prompts: list[dict]) -> dict[str, float]:
+        return rollout.evaluate(engine, None, rule, prompts, tokenizer, step_cfg.max_new_tokens,
+                                step_cfg.eval_micro_batch_size_per_device, gather_whole) if prompts else {}
+
+    def evaluate(reported: bool) -> dict[str, float]:
+        """Held-out loss, the select half's accuracy, and with ``reported`` the report half's."""
+        return {**perplexity(engine, evaluation), **common.as_select(greedy(select_prompts)),
+                **(greedy(report_prompts) if reported else {})}
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "model")
     if rank == 0:
@@ -89,17 +95,17 @@ def run(cfg: Config) -> dict:
     # -------------------------------------------------------------------------------- loop
     def ready(epoch: int) -> bool:
         """Evaluate, and whether a readiness rule says SFT is done (the reason in state.stopped_by)."""
-        state.last, state.last_eval_step = evaluate(), state.step
+        state.last, state.last_eval_step = evaluate(False), state.step
         logger.log({**state.last, "epoch": epoch}, step=state.step)
-        if accuracy_prompts and step_cfg.stop_at_accuracy is not None and \
-                state.last["eval/accuracy"] >= step_cfg.stop_at_accuracy:
-            state.stopped_by = (f"held-out accuracy {state.last['eval/accuracy']:.3f} >= "
+        if select_prompts and step_cfg.stop_at_accuracy is not None and \
+                state.last["select/accuracy"] >= step_cfg.stop_at_accuracy:
+            state.stopped_by = (f"held-out accuracy {state.last['select/accuracy']:.3f} >= "
                                 f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}")
             return True
         return state.judge(state.last, "eval/loss", False, step_cfg.early_stop_patience)
 
     if not resumed:
-        state.first = state.last = evaluate()
+        state.first = state.last = evaluate(True)
         logger.log({**state.first, "epoch": 0}, step=0)
         state.judge(state.first, "eval/loss", False, 0)
     meter = common.Throughput(cfg, n_params, world)
@@ -141,6 +147,10 @@ def run(cfg: Config) -> dict:
         # The epoch boundary: a resume trains the remaining epochs.
         ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
     bar.close()
+    if report_prompts:  # the output's reported accuracy, on prompts the stop rule never read
+        reported = greedy(report_prompts)
+        state.last = {**state.last, **reported}
+        logger.log(reported, step=state.step)
 
     # -------------------------------------------------------------------------------- save
     return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger,
