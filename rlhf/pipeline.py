@@ -214,9 +214,13 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
         rm = final("reward").get("eval/acc")
         if pipe.reward_min_accuracy and rm is not None and rm < pipe.reward_min_accuracy \
                 and step.step.reward_model_weight > 0:
+            # A rule that scores answers is a reward that cannot be gamed: the fix where there is one.
+            rule_fix = (f", or reward PPO with your rule instead ({step.data.rule}): "
+                        "pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0"
+                        if step.data.rule else "")
             return (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
                     f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. Train it "
-                    "longer (pipeline.reward.step.epochs=N) or on more pairs")
+                    f"longer (pipeline.reward.step.epochs=N) or on more pairs{rule_fix}")
         acc = final("sft").get("eval/accuracy")
         if pipe.min_policy_accuracy and acc is not None and acc < pipe.min_policy_accuracy:
             return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="

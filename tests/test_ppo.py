@@ -279,6 +279,27 @@ def test_the_chain_refuses_a_step_that_cannot_work_with_one_line(tmp_path):
         run(compose(reward), overrides=reward)
 
 
+@pytest.mark.parametrize("rule", ["", "my_rule:score"])
+def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path, rule):
+    """The refusal names the figure and the floor; where the user has a rule, it also offers that rule
+    as PPO's reward (no reward model to game). The figures are read from the steps' final metrics."""
+    from omegaconf import OmegaConf
+
+    from rlhf.pipeline import weak_step
+
+    for step, final in (("sft", {"eval/accuracy": 0.30, "select/accuracy": 0.31}), ("reward", {"eval/acc": 0.71})):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / "final_metrics.json").write_text(json.dumps(final))
+    pipe = OmegaConf.create({"reward_min_accuracy": 0.975, "min_policy_accuracy": 0.02, "sft_loss_still_falling": 0})
+    step = OmegaConf.create({"step": {"reward_model_weight": 1.0}, "data": {"rule": rule}})
+    why = weak_step(pipe, "ppo", step, tmp_path, ["sft", "reward", "ppo"])
+    assert why.startswith("the reward model's held-out pairwise accuracy 0.710 is below pipeline.reward_min_accuracy=0.975")
+    fix = "reward PPO with your rule instead (my_rule:score): pipeline.ppo.step.reward_fn=rule"
+    assert (fix in why) == bool(rule)
+    assert weak_step(pipe, "ppo", OmegaConf.create({"step": {"reward_model_weight": 0.0}, "data": {"rule": rule}}),
+                     tmp_path, ["sft", "reward", "ppo"]) is None, "no reward model in PPO's reward: nothing to refuse"
+
+
 def test_chat_cli_answers_clears_and_quits(sft_and_reward):
     sft, _ = sft_and_reward
     proc = run_cli("--path", str(sft), "--max-new-tokens", "6", module="rlhf.chat", timeout=300,
