@@ -107,6 +107,16 @@ class HardwareConfig:
     torch_threads: int = 1
     # Collective backend: gloo on CPU, nccl on NVIDIA GPUs.
     dist_backend: str = "gloo"
+    # For the time and cost forecast (rlhf/forecast.py), datasheet figures of one device: dense
+    # matrix-product peak at hardware.precision in TFLOP/s (0 on CPU: measured at start-up), memory
+    # bandwidth in GB/s, collective bandwidth to the other devices of its node per direction in GB/s,
+    # and the network bandwidth of a whole node in GB/s.
+    peak_tflops: float = 0.0
+    memory_bandwidth_gbs: float = 0.0
+    intra_node_gbs: float = 0.0
+    inter_node_gbs: float = 0.0
+    # Price of one device-hour in USD; 0: the forecast gives time only.
+    price_per_device_hour: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -120,6 +130,8 @@ class HardwareConfig:
         _positive("hardware.devices_per_node", self.devices_per_node)
         _positive("hardware.memory_per_device_gb", self.memory_per_device_gb)
         _positive("hardware.torch_threads", self.torch_threads, allow_zero=True)
+        for key in ("peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "price_per_device_hour"):
+            _positive(f"hardware.{key}", getattr(self, key), allow_zero=True)
         if self.accelerator == "cpu" and self.precision == "fp16":
             raise ConfigError("hardware.precision=fp16 is not supported on hardware.accelerator=cpu "
                               "(DeepSpeed's CPU accelerator has no fp16 kernels); use fp32 or bf16")
@@ -711,8 +723,12 @@ class LaunchConfig:
     # Address and port of rank 0 for multi-node runs; empty address: the launcher's default.
     master_addr: str = ""
     master_port: int = 29500
+    # Train rows of the data blend for the time forecast where the data is on a hub (local files are
+    # counted); 0: unknown, the forecast is per step.
+    forecast_rows: int = 0
 
     def __post_init__(self) -> None:
+        _positive("launch.forecast_rows", self.forecast_rows, allow_zero=True)
         if self.hostfile and not os.path.exists(os.path.expanduser(self.hostfile)):
             raise ConfigError(f"launch.hostfile={self.hostfile!r} does not exist")
         if not 0 < self.master_port < 65536:

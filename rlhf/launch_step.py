@@ -143,7 +143,18 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
     lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))
+    lines.append(forecast_text(schema))
     return fits, "\n".join(lines), problems
+
+
+def forecast_text(schema: Config) -> str:
+    """The forecast table, or the one line that says why there is none (no peak, unreadable data)."""
+    from rlhf import forecast
+
+    try:
+        return forecast.table(forecast.forecast(schema))
+    except (ValueError, OSError) as e:
+        return f"forecast [{schema.step.name}]: none ({e})"
 
 
 def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:

@@ -35,6 +35,9 @@ def test_every_experiment_dry_runs_with_consistent_batches_and_fits(name, tmp_pa
     assert not (tmp_path / "config.yaml").exists(), "a dry-run writes nothing"
     for step in cfg.pipeline.steps:
         assert f"== {step}:" in out
+        # The forecast per step: its phases, a total with device-hours, and money where the preset has a price.
+        block = out.split(f"forecast [{step}]: ", 1)[1].split("\n==", 1)[0]
+        assert "  total " in block and "device-hours on" in block
         step_cfg = to_schema(compose_step([f"experiment={name}"], step))
         ds = ds_config(step_cfg)
         assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]

@@ -1,0 +1,340 @@
+"""How long a step takes and what it costs, before it runs: a model a reader can check.
+
+Work: FLOPs from the architecture numbers (rlhf.memory.param_counts): a forward pass costs 2 FLOPs per
+matrix parameter and token plus 2 * layers * context * hidden for attention (Kaplan et al. 2020);
+training 3 forward passes (forward, and backward for activations and for weights), 4 with gradient
+checkpointing (the forward again), and LoRA drops the frozen weights' gradients (2 of the 3).
+Decoding one token of a batch reads the weights and the KV cache once: the slower of that read at
+the device's memory bandwidth and its FLOPs, plus a fixed cost per layer (kernel launches of an
+eager decode loop). ZeRO's collectives move the 16-bit parameters or gradients over the slowest
+link they cross: within a node (NVLink, PCIe) or the node's network share per device.
+
+Rates: per accelerator kind the hardware preset carries the datasheet peak, memory and link
+bandwidths and a price per device-hour (conf/hardware/*.yaml, with sources); four efficiency
+constants below, shared by every preset, turn peaks into achieved rates. On CPU the matrix-product
+rate is measured at start-up (a short probe at the model's width).
+
+Amount: rows of the step's part of the data (counted where the data is local, else
+launch.forecast_rows), epochs, batch sizes and lengths; a step stopped early by a readiness rule
+takes less (the forecast is its cap).
+
+    python launch.py experiment=opt-13b_8xa100-40g launch.dry_run=true   # a forecast per step
+    python bench/forecast.py                                               # against DeepSpeed-Chat's tables
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
+from rlhf.memory import generation_gathers_whole_model, param_counts
+
+# Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
+# own SFT of a 1.3B model on one H200 ran at 33.4% (docs/benchmarks.md, bench/gpu.sh).
+MATMUL_EFFICIENCY = 0.334
+# Achieved fraction of memory bandwidth when a decoding step streams weights and KV cache (STREAM-
+# like copies reach 80-90% on HBM; a decode step's many small reads less).
+BANDWIDTH_EFFICIENCY = 0.7
+# Seconds per layer and decoding step that neither FLOPs nor bytes explain: kernel launches and the
+# Python of an eager decode loop (one H200: 9.3 ms per decoding step of a 24-layer model, of which
+# the bytes explain about 2 ms; docs/benchmarks.md). 0 on CPU, where the probe's rate covers it.
+DECODE_LAYER_OVERHEAD_S = 3.0e-4
+# Achieved fraction of link bandwidth in ZeRO's all-gathers and reduce-scatters (NCCL's bus
+# bandwidth on NVLink and InfiniBand runs at 70-85% of the link rate).
+COMM_EFFICIENCY = 0.7
+
+
+@dataclass
+class Rates:
+    """What one device achieves: FLOP/s in matrix products, bytes/s from memory, bytes/s over the
+    link a collective is limited by, and the fixed cost of a decoding step per layer."""
+
+    flops: float
+    memory: float
+    link: float
+    layer_overhead_s: float
+    measured: str = ""  # how the FLOP rate was found, when it was measured rather than read
+
+
+@dataclass
+class StepForecast:
+    """One step's forecast: its phases in seconds (the whole step), how many devices, and the price."""
+
+    step: str
+    work: str
+    steps: int
+    phases: dict[str, float]
+    devices: int
+    price_per_device_hour: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def device_hours(self) -> float:
+        return self.seconds * self.devices / 3600
+
+    @property
+    def cost(self) -> float | None:
+        return self.device_hours * self.price_per_device_hour if self.price_per_device_hour else None
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "work": self.work, "optimizer_or_ppo_steps": self.steps,
+                "phases_s": {k: round(v, 3) for k, v in self.phases.items()}, "seconds": round(self.seconds, 3),
+                "device_hours": round(self.device_hours, 4), "cost_usd": None if self.cost is None else round(self.cost, 2),
+                "notes": self.notes}
+
+
+# ----------------------------------------------------------------------------------- FLOPs
+def matmul_params(m: ModelConfig, lm_head: bool) -> int:
+    """Parameters that take part in a matrix product per token: every layer's, plus the output
+    projection over the vocabulary for a language model (a scalar head is negligible). Embedding
+    lookups and position tables cost no FLOPs."""
+    total, _, _ = param_counts(m)
+    h, v = m.hidden_size, m.vocab_size
+    embeddings = (2 * v * h + h) if m.family == "llama" else (v * h + m.max_positions * h + 2 * h)
+    return total - embeddings + (v * h if lm_head else 0)
+
+
+def forward_flops(m: ModelConfig, tokens: float, context: float, lm_head: bool) -> float:
+    """FLOPs of a forward pass over ``tokens`` tokens that attend to ``context`` tokens on average."""
+    return tokens * (2 * matmul_params(m, lm_head) + 2 * m.num_layers * context * m.hidden_size)
+
+
+def train_flops(m: ModelConfig, tokens: float, seq: float, lm_head: bool, checkpointing: bool, lora: bool) -> float:
+    """Forward + backward (+ the forward again under gradient checkpointing) over ``tokens`` tokens
+    of sequences of ``seq`` (causal attention: each token attends to seq / 2 on average). LoRA's
+    frozen weights need no weight gradients: 2 forward-equivalents instead of 3 (adapters are tiny)."""
+    passes = (2 if lora else 3) + (1 if checkpointing else 0)
+    return passes * forward_flops(m, tokens, seq / 2, lm_head)
+
+
+# ---------------------------------------------------------------------------- collectives
+def bytes_per_param(precision: str) -> int:
+    return 2 if precision in ("fp16", "bf16") else 4
+
+
+def collective_s(size_bytes: float, world: int, rates: Rates) -> float:
+    """An all-gather or reduce-scatter of a ``size_bytes`` tensor: each device sends and receives
+    (world - 1) / world of it over its slowest link (ring algorithms)."""
+    return 0.0 if world <= 1 else size_bytes * (world - 1) / world / rates.link
+
+
+def zero_comm_s(stage: int, params: int, trainable: int, micro_batches: int, world: int, precision: str,
+                rates: Rates) -> float:
+    """Communication of one optimizer step of a trained model under ZeRO ``stage``: stage 3 gathers
+    the parameters for every micro batch's forward and backward and reduce-scatters its gradients;
+    stages 1-2 reduce-scatter gradients per micro batch and all-gather the updated parameters once;
+    stage 0 all-reduces the gradients once (a reduce-scatter and an all-gather)."""
+    weights, grads = params * bytes_per_param(precision), trainable * bytes_per_param(precision)
+    if stage == 3:
+        return micro_batches * (2 * collective_s(weights, world, rates) + collective_s(grads, world, rates))
+    if stage in (1, 2):
+        return micro_batches * collective_s(grads, world, rates) + collective_s(weights, world, rates)
+    return 2 * collective_s(grads, world, rates)
+
+
+# ---------------------------------------------------------------------------------- rates
+def hardware_rates(cfg: Config) -> Rates:
+    """Achieved rates of one device of the preset; on CPU the FLOP rate is measured (probe_cpu)."""
+    hw = cfg.hardware
+    if hw.nodes > 1 and hw.inter_node_gbs:
+        link = min(hw.intra_node_gbs or hw.inter_node_gbs, hw.inter_node_gbs / hw.devices_per_node)
+    else:
+        link = hw.intra_node_gbs
+    link_bps = link * 1e9 * COMM_EFFICIENCY if link else float("inf")
+    if hw.accelerator == "cpu":
+        flops, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
+        # Decoding on CPU is bound by the same small matrix products the probe measures.
+        return Rates(flops, float("inf"), link_bps, 0.0, how)
+    if not hw.peak_tflops:
+        raise ValueError(f"hardware={hw.name} has no hardware.peak_tflops: the forecast needs the device's peak")
+    memory = hw.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY if hw.memory_bandwidth_gbs else float("inf")
+    return Rates(hw.peak_tflops * 1e12 * MATMUL_EFFICIENCY, memory, link_bps, DECODE_LAYER_OVERHEAD_S)
+
+
+_PROBED: dict[tuple, tuple[float, str]] = {}
+
+
+def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, str]:
+    """FLOP/s of this CPU in the matrix products a step of this width runs (a 256-row batch times a
+    width x 4*width weight, as the feed-forward layers do), best of a few repeats; cached per process."""
+    import torch
+
+    key = (width, precision, threads)
+    if key not in _PROBED:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            a, b = torch.randn(256, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    a @ b
+                best = min(best, (time.perf_counter() - t0) / 10)
+        finally:
+            torch.set_num_threads(before)
+        rate = 2 * 256 * width * 4 * width / best
+        _PROBED[key] = (rate, f"measured {rate / 1e9:.1f} GFLOP/s ({precision}, {threads or 'default'} thread(s), "
+                              f"width {width})")
+    return _PROBED[key]
+
+
+# ----------------------------------------------------------------------------------- work
+def step_rows(cfg: Config, rows: int = 0) -> tuple[int, str]:
+    """Train rows of the step's part of the data: ``rows`` (the blend's train rows) or
+    launch.forecast_rows where given, else counted in the local sources; 0 where neither is known."""
+    from rlhf.config import looks_local
+
+    part = cfg.data.split_fractions[STEPS[cfg.step.name].split_index]
+    total = rows or cfg.launch.forecast_rows
+    how = "given"
+    if not total:
+        if not all(looks_local(s.path) for s in cfg.data.sources):
+            return 0, "hub data: set launch.forecast_rows to the blend's train rows"
+        from rlhf.data.blend import train_rows
+
+        total = train_rows(cfg.data)
+        how = "counted"
+    if cfg.data.max_train_samples > 0:
+        total = min(total, int(cfg.data.max_train_samples / part))
+    return int(total * part), f"{how}: {total:,} train rows x {part:.0%} for this step"
+
+
+def _critic_model(cfg: Config) -> ModelConfig:
+    return load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model
+
+
+def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None = None) -> StepForecast:
+    """The step's forecast on its preset: ``rows`` is the blend's train rows where they are not
+    counted, ``part_rows`` the step's own rows (a benchmark's prompts) outright."""
+    rates = rates or hardware_rates(cfg)
+    step, world, hw = cfg.step, cfg.world_size, cfg.hardware
+    part_rows, how = (part_rows, "given: the step's rows") if part_rows else step_rows(cfg, rows)
+    notes = [how] + ([rates.measured] if rates.measured else [])
+    # Only adapters trained: the frozen weights need no weight gradients.
+    lora = cfg.lora.rank > 0 and cfg.lora.only_optimize_lora
+    if step.name == "ppo":
+        return _ppo(cfg, part_rows, rates, notes)
+    pairs = STEPS[step.name].rows == "pairs"
+    seqs = step.micro_batch_size_per_device * step.gradient_accumulation_steps * (2 if pairs else 1)
+    seq = step.max_seq_len
+    per_epoch = part_rows // step.global_batch_size if part_rows else 1
+    steps = per_epoch * step.epochs
+    if step.max_steps > 0:
+        steps = min(steps, step.max_steps) if part_rows else step.max_steps
+    trained = next(r for r in step_roles(cfg) if r.trainable)
+    total, _, lora_params = param_counts(cfg.model, cfg.lora.rank)
+    trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
+    compute = train_flops(cfg.model, seqs * seq, seq, trained.lm_head, step.gradient_checkpointing, lora)
+    if step.name == "dpo":  # the reference's forward over the same pairs
+        compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
+    comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
+                       hw.precision, rates)
+    phases = {"compute": steps * compute / rates.flops, "communication": steps * comm}
+    work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "
+            f"{step.global_batch_size} x {seq} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
+    if not part_rows and step.max_steps <= 0:
+        notes.append("no row count: the figures are per optimizer step")
+    if getattr(step, "stop_at_accuracy", None) is not None or getattr(step, "early_stop_patience", 0):
+        notes.append("a readiness rule may stop it sooner: this is its cap")
+    return StepForecast(step.name, work, steps, phases, world, hw.price_per_device_hour, notes)
+
+
+def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepForecast:
+    """PPO step by step: generation (prefill, then each decoding step), the scoring forwards of the
+    frozen roles (and the actor's with old_logprobs=recompute), and the updates with their ZeRO
+    communication. Rollouts are max_prompt_len + max_new_tokens long (DeepSpeed-Chat's benchmark
+    pads prompts and generates fixed-length answers)."""
+    step, world, hw = cfg.step, cfg.world_size, cfg.hardware
+    actor, critic = cfg.model, _critic_model(cfg)
+    roles = {r.name: r for r in step_roles(cfg)}
+    batch, prompt, answer = step.rollout_batch_size_per_device, step.max_prompt_len, step.max_new_tokens
+    seq = prompt + answer
+    width = bytes_per_param(hw.precision)
+    a_total, _, a_lora = param_counts(actor, cfg.lora.rank)
+    c_total, _, _ = param_counts(critic)
+    per_step = batch * world
+    rollouts = part_rows * step.samples_per_prompt * step.epochs
+    steps = rollouts // per_step if part_rows else 1
+    if step.max_steps > 0:
+        steps = min(steps, step.max_steps) if part_rows else step.max_steps
+
+    # Generation, per device: prefill is one forward over the prompts; each decoding step reads the
+    # whole actor (gathered once per call under ZeRO-3, or layer by layer for every token) and the
+    # KV cache at its mean length.
+    chunk = step.generation_batch_size_per_device or batch
+    calls = -(-batch // chunk)
+    prefill = forward_flops(actor, batch * prompt, prompt / 2, True) / rates.flops
+    kv_bytes = 2 * actor.num_layers * chunk * (prompt + answer / 2) * actor.hidden_size * width
+    read = (a_total * width + kv_bytes) / rates.memory
+    math = forward_flops(actor, chunk, prompt + answer / 2, True) / rates.flops
+    decode = calls * answer * (max(read, math) + actor.num_layers * rates.layer_overhead_s)
+    gather = 0.0
+    if cfg.zero.stage == 3:
+        whole = generation_gathers_whole_model(cfg, critic)
+        gather = calls * (1 if whole else answer) * collective_s(a_total * width, world, rates)
+        notes.append("ZeRO-3 generation: " + ("the actor gathered once per call" if whole else
+                                              "the actor gathered layer by layer for every token"))
+    generate = prefill + decode + gather
+
+    # Scoring forwards over whole rollouts: reference (the actor's size), critic and reward model
+    # (the critic's), and the actor itself where old log-probs are recomputed.
+    scoring = 0.0
+    sizes = {"reference": actor, "critic": critic, "reward": critic}
+    for name in ("reference", "critic", "reward"):
+        if name in roles:
+            scoring += forward_flops(sizes[name], batch * seq, seq / 2, name == "reference") / rates.flops
+            if cfg.zero.stage == 3:
+                scoring += collective_s(param_counts(sizes[name])[0] * width, world, rates)
+    if step.old_logprobs == "recompute":
+        scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops
+
+    # Updates: every PPO epoch trains the actor (and critic) on the step's rollouts.
+    updates = ppo_updates_per_step(cfg)
+    lora = cfg.lora.rank > 0 and cfg.lora.only_optimize_lora
+    a_trainable = a_lora if lora and cfg.lora.only_optimize_lora else a_total + a_lora
+    train = step.ppo_epochs * train_flops(actor, batch * seq, seq, True, step.gradient_checkpointing, lora)
+    comm = updates * zero_comm_s(cfg.zero.stage, a_total + a_lora, a_trainable, step.gradient_accumulation_steps,
+                                 world, hw.precision, rates)
+    if "critic" in roles:
+        train += step.ppo_epochs * train_flops(critic, batch * seq, seq, False, step.gradient_checkpointing, False)
+        comm += updates * zero_comm_s(cfg.zero.stage, c_total, c_total, step.gradient_accumulation_steps, world,
+                                      hw.precision, rates)
+    phases = {"generation": steps * generate, "scoring": steps * scoring, "updates": steps * train / rates.flops,
+              "communication": steps * comm}
+    work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
+            f"steps of {per_step} rollouts x ({prompt} + {answer}) tokens" if part_rows
+            else f"{steps:,} PPO steps (step.max_steps)")
+    if not part_rows and step.max_steps <= 0:
+        notes.append("no row count: the figures are per PPO step")
+    return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
+
+
+# ---------------------------------------------------------------------------------- text
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds / 86400:.2f} days"
+
+
+def table(f: StepForecast) -> str:
+    """The forecast as the dry-run prints it: work, phases, total, device-hours and cost."""
+    lines = [f"forecast [{f.step}]: {f.work}"]
+    lines += [f"  {name:<14}{duration(s):>12}" for name, s in f.phases.items()]
+    money = f", ${f.cost:,.2f} at ${f.price_per_device_hour:g} per device-hour" if f.cost is not None else \
+        " (no hardware.price_per_device_hour: time only)"
+    lines.append(f"  {'total':<14}{duration(f.seconds):>12}  = {f.device_hours:,.2f} device-hours on {f.devices} "
+                 f"device(s){money}")
+    lines += [f"  note: {n}" for n in f.notes]
+    return "\n".join(lines)

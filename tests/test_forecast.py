@@ -1,0 +1,79 @@
+"""The time and cost forecast (rlhf/forecast.py): FLOPs and ZeRO traffic against hand-worked numbers,
+phases that add up, a preset without a price, and figures that do not depend on the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf import forecast
+from rlhf.config import ModelConfig, to_schema
+from tests.conftest import compose, compose_step
+
+# Two OPT-like layers of width 8: per layer 4h^2 + 4h (attention) + 2hf + f + h (feed-forward) + 4h
+# (two LayerNorms) = 256 + 32 + 512 + 32 + 8 + 32 = 872 parameters; the LM head is 10 x 8 = 80.
+TOY = ModelConfig(name="toy", family="opt", num_layers=2, hidden_size=8, num_heads=2, ffn_size=32, vocab_size=10,
+                  max_positions=16, random_init=True)
+
+
+def test_flops_by_hand():
+    assert forecast.matmul_params(TOY, lm_head=True) == 2 * 872 + 80
+    assert forecast.matmul_params(TOY, lm_head=False) == 2 * 872
+    # 10 tokens attending to 4 on average: 10 * (2 * 1824 + 2 * 2 layers * 4 * 8) = 37,760.
+    assert forecast.forward_flops(TOY, 10, 4, True) == 37_760
+    # Training on sequences of 8 (causal: 4 on average): forward + two backward matmuls = 3 passes,
+    # 4 with checkpointing; adapters only skip the frozen weights' gradients (2 passes).
+    assert forecast.train_flops(TOY, 10, 8, True, checkpointing=False, lora=False) == 3 * 37_760
+    assert forecast.train_flops(TOY, 10, 8, True, checkpointing=True, lora=False) == 4 * 37_760
+    assert forecast.train_flops(TOY, 10, 8, True, checkpointing=True, lora=True) == 3 * 37_760
+
+
+def test_zero_traffic_by_hand():
+    """1,000 fp16 parameters (2,000 bytes) over 4 devices at 1 GB/s: one all-gather or reduce-scatter
+    moves 3/4 of the tensor per device, 1.5 us."""
+    rates = forecast.Rates(flops=1e12, memory=1e12, link=1e9, layer_overhead_s=0.0)
+    one = 1.5e-6
+    assert forecast.collective_s(2000, 4, rates) == pytest.approx(one)
+    assert forecast.zero_comm_s(3, 1000, 1000, 2, 4, "fp16", rates) == pytest.approx(2 * 3 * one)
+    assert forecast.zero_comm_s(2, 1000, 1000, 2, 4, "fp16", rates) == pytest.approx(3 * one)
+    assert forecast.zero_comm_s(0, 1000, 1000, 2, 4, "fp16", rates) == pytest.approx(2 * one)
+    assert forecast.zero_comm_s(3, 1000, 1000, 2, 1, "fp16", rates) == 0.0, "one device talks to nobody"
+
+
+@pytest.mark.parametrize("overrides", [
+    ["experiment=opt-13b_8xa100-40g", "step=sft"],
+    ["experiment=opt-66b_64xa100-80g", "step=ppo"],
+    ["experiment=opt-1.3b_a6000", "step=reward"],
+])
+def test_phases_sum_to_the_total_and_the_price_makes_the_cost(overrides):
+    cfg = to_schema(compose(overrides))
+    f = forecast.forecast(cfg, rows=762_560)
+    assert f.seconds == pytest.approx(sum(f.phases.values())) and all(v >= 0 for v in f.phases.values())
+    assert f.device_hours == pytest.approx(f.seconds * cfg.world_size / 3600)
+    text = forecast.table(f)
+    if cfg.hardware.price_per_device_hour:
+        assert f.cost == pytest.approx(f.device_hours * cfg.hardware.price_per_device_hour)
+        assert f"at ${cfg.hardware.price_per_device_hour:g} per device-hour" in text
+    else:
+        assert f.cost is None and "time only" in text
+    # Twice the rows, twice the steps and time, to a step's rounding (nothing else changes).
+    assert forecast.forecast(cfg, rows=2 * 762_560).seconds == pytest.approx(2 * f.seconds, rel=0.05)
+
+
+def test_the_forecast_of_a_gpu_preset_is_the_same_on_every_machine():
+    """GPU presets read datasheet figures, never the machine running the dry-run: the figures are
+    reproducible (bench/forecast.py relies on it); a layer-by-layer ZeRO-3 generation across 8 nodes
+    shows up as generation time."""
+    cfg = to_schema(compose_step(["experiment=opt-66b_64xa100-80g"], "ppo"))  # with the chain's stage files
+    a, b = forecast.forecast(cfg, part_rows=1000), forecast.forecast(cfg, part_rows=1000)
+    assert a.as_dict() == b.as_dict()
+    assert a.phases["generation"] > a.phases["updates"]
+    assert any("layer by layer" in n for n in a.notes)
+
+
+def test_a_gpu_preset_without_a_peak_has_no_forecast_and_says_why(tmp_path, capsys):
+    from rlhf.launch import run
+
+    overrides = ["step=sft", "hardware=a6000", "model=opt-125m", "hardware.peak_tflops=0", "launch.dry_run=true",
+                 f"run_dir={tmp_path}"]
+    run(compose(overrides), overrides=overrides)
+    assert "forecast [sft]: none (hardware=a6000 has no hardware.peak_tflops" in capsys.readouterr().out
