@@ -186,6 +186,23 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, str]:
     return _PROBED[key]
 
 
+# ----------------------------------------------------------------------------- generation
+def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int, precision: str,
+                 rates: Rates) -> float:
+    """Answers to ``seqs`` prompts, ``chunk`` at a time, on one device holding the whole model:
+    prefill is one forward over the prompts; each decoding step reads the weights and the KV cache
+    (at its mean length) once for the chunk, or computes, whichever is slower, plus the per-layer cost."""
+    if seqs <= 0:
+        return 0.0
+    chunk = min(chunk, seqs)
+    width = bytes_per_param(precision)
+    prefill = forward_flops(m, seqs * prompt, prompt / 2, True) / rates.flops
+    kv_bytes = 2 * m.num_layers * chunk * (prompt + answer / 2) * m.hidden_size * width
+    read = (param_counts(m)[0] * width + kv_bytes) / rates.memory
+    math = forward_flops(m, chunk, prompt + answer / 2, True) / rates.flops
+    return prefill + -(-seqs // chunk) * answer * (max(read, math) + m.num_layers * rates.layer_overhead_s)
+
+
 # ----------------------------------------------------------------------------------- work
 def step_rows(cfg: Config, rows: int = 0) -> tuple[int, str]:
     """Train rows of the step's part of the data: ``rows`` (the blend's train rows) or
@@ -237,7 +254,8 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
                        hw.precision, rates)
-    phases = {"compute": steps * compute / rates.flops, "communication": steps * comm}
+    phases = {"compute": steps * compute / rates.flops, "communication": steps * comm,
+              "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
     work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "
             f"{step.global_batch_size} x {seq} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
     if not part_rows and step.max_steps <= 0:
@@ -245,6 +263,28 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     if getattr(step, "stop_at_accuracy", None) is not None or getattr(step, "early_stop_patience", 0):
         notes.append("a readiness rule may stop it sooner: this is its cap")
     return StepForecast(step.name, work, steps, phases, world, hw.price_per_device_hour, notes)
+
+
+def _supervised_evaluation_s(cfg: Config, steps: int, rates: Rates) -> float:
+    """Evaluations before training, every eval_every_steps and at each epoch's end: a forward over the
+    held-out rows (max_eval_samples; both answers of a pair, and the reference's for DPO), plus greedy
+    answers where the step checks accuracy by a rule (the select half at each, the reported half at
+    the start and the end)."""
+    step, world = cfg.step, cfg.world_size
+    evals = 1 + step.epochs + (steps // step.eval_every_steps if step.eval_every_steps else 0)
+    rows = -(-(cfg.data.max_eval_samples if cfg.data.max_eval_samples > 0 else 1000) // world)
+    pairs = STEPS[step.name].rows == "pairs"
+    seqs = rows * (2 if pairs else 1)
+    lm_head = step.name != "reward"
+    forward = forward_flops(cfg.model, seqs * step.max_seq_len, step.max_seq_len / 2, lm_head) / rates.flops
+    if step.name == "dpo":
+        forward *= 2
+    greedy = 0.0
+    if getattr(step, "eval_accuracy_prompts", 0):
+        per_rank = -(-step.eval_accuracy_prompts // world)
+        greedy = generation_s(cfg.model, per_rank, step.eval_micro_batch_size_per_device, step.max_seq_len // 2,
+                              step.max_new_tokens, cfg.hardware.precision, rates)
+    return evals * forward + (evals + 2) * greedy
 
 
 def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepForecast:
@@ -271,18 +311,13 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepFor
     # KV cache at its mean length.
     chunk = step.generation_batch_size_per_device or batch
     calls = -(-batch // chunk)
-    prefill = forward_flops(actor, batch * prompt, prompt / 2, True) / rates.flops
-    kv_bytes = 2 * actor.num_layers * chunk * (prompt + answer / 2) * actor.hidden_size * width
-    read = (a_total * width + kv_bytes) / rates.memory
-    math = forward_flops(actor, chunk, prompt + answer / 2, True) / rates.flops
-    decode = calls * answer * (max(read, math) + actor.num_layers * rates.layer_overhead_s)
     gather = 0.0
     if cfg.zero.stage == 3:
         whole = generation_gathers_whole_model(cfg, critic)
         gather = calls * (1 if whole else answer) * collective_s(a_total * width, world, rates)
         notes.append("ZeRO-3 generation: " + ("the actor gathered once per call" if whole else
                                               "the actor gathered layer by layer for every token"))
-    generate = prefill + decode + gather
+    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates) + gather
 
     # Scoring forwards over whole rollouts: reference (the actor's size), critic and reward model
     # (the critic's), and the actor itself where old log-probs are recomputed.
@@ -307,8 +342,16 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepFor
         train += step.ppo_epochs * train_flops(critic, batch * seq, seq, False, step.gradient_checkpointing, False)
         comm += updates * zero_comm_s(cfg.zero.stage, c_total, c_total, step.gradient_accumulation_steps, world,
                                       hw.precision, rates)
+    # Evaluation: greedy answers to the select half at every evaluation (step 0, every eval_every_steps,
+    # the end) and to the reported half at the start and the end (and at each new best, not counted),
+    # each scored by the reward model where there is one.
+    evals = 2 + (steps // step.eval_every_steps if step.eval_every_steps else 0)
+    per_rank = -(-step.eval_prompts // world)
+    greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, hw.precision, rates)
+    if "reward" in roles:
+        greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
     phases = {"generation": steps * generate, "scoring": steps * scoring, "updates": steps * train / rates.flops,
-              "communication": steps * comm}
+              "communication": steps * comm, "evaluation": (evals + 2) * greedy}
     work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
             f"steps of {per_step} rollouts x ({prompt} + {answer}) tokens" if part_rows
             else f"{steps:,} PPO steps (step.max_steps)")

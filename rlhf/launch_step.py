@@ -13,6 +13,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -147,6 +148,24 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
     return fits, "\n".join(lines), problems
 
 
+def write_forecast(schema: Config, run_dir: Path) -> None:
+    """Say the step's forecast in one line and keep it in RUN_DIR/forecast.json with the time it
+    started, so the final figures can put forecast and actual side by side."""
+    from rlhf import forecast
+
+    try:
+        f = forecast.forecast(schema)
+    except (ValueError, OSError) as e:
+        print(f"[{schema.step.name}] no forecast: {e}", flush=True)
+        return
+    per_step = f.seconds / max(f.steps, 1)
+    money = f", ${f.cost:,.2f}" if f.cost is not None else ""
+    print(f"[{schema.step.name}] forecast: {forecast.duration(f.seconds)} for {f.steps:,} steps "
+          f"({per_step:.3g} s each) on {f.devices} device(s){money}", flush=True)
+    (run_dir / "forecast.json").write_text(json.dumps({"started_at": time.time(), "seconds_per_step": per_step,
+                                                       **f.as_dict()}, indent=2))
+
+
 def forecast_text(schema: Config) -> str:
     """The forecast table, or the one line that says why there is none (no peak, unreadable data)."""
     from rlhf import forecast
@@ -256,6 +275,7 @@ def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command:
               "(resume=never starts it over)", flush=True)
         return json.loads(done.read_text())
     write_run_dir(cfg, run_dir, overrides, command)
+    write_forecast(schema, run_dir)
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         if schema.hardware.nodes > 1 and not schema.launch.hostfile:
             schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""

@@ -193,7 +193,9 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
         took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
         figures = [f for key, label, pct in SUMMARY_FIGURES.get(name, []) if (f := _figure(metrics, key, label, pct))]
         rerun = " (earlier run)" if entry.get("skipped_on_rerun") else ""
-        lines.append(f"[e2e] {STEPS[name].title}, {took}{rerun}: " + ("; ".join(figures) or "done"))
+        guess = (f" (forecast {dt.timedelta(seconds=round(metrics['forecast_s']))})"
+                 if "forecast_s" in metrics and not rerun else "")
+        lines.append(f"[e2e] {STEPS[name].title}, {took}{guess}{rerun}: " + ("; ".join(figures) or "done"))
         warnings += [f"{name}: {w}" for w in [*entry.get("warnings", []), *metrics.get("warnings", [])]]
     lines += [f"[e2e] WARNING {w}" for w in warnings] or ["[e2e] no warnings"]
     last = outputs[list(planned)[-1]]

@@ -173,6 +173,11 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
     final_metrics.json -- the marker of a finished step, so it is written last."""
     run_dir = Path(cfg.run_dir)
     final = {"step": step, **{f"{k}_before": v for k, v in first.items()}, **last}
+    if (planned := run_dir / "forecast.json").exists():
+        # Forecast and actual side by side: the forecast at the steps this run took (a readiness rule
+        # may stop it before its cap), the actual since the launch that finished it.
+        f = json.loads(planned.read_text())
+        final.update(forecast_s=round(f["seconds_per_step"] * step, 1), actual_s=round(time.time() - f["started_at"], 1))
     if stopped_by:
         final["stopped_by"] = stopped_by
         if rank == 0:
