@@ -38,7 +38,7 @@ MATMUL_EFFICIENCY = 0.334
 BANDWIDTH_EFFICIENCY = 0.7
 # Seconds per layer and decoding step that neither FLOPs nor bytes explain: kernel launches and the
 # Python of an eager decode loop (one H200: 9.3 ms per decoding step of a 24-layer model, of which
-# the bytes explain about 2 ms; docs/benchmarks.md). 0 on CPU, where the probe's rate covers it.
+# the bytes explain about 2 ms; docs/benchmarks.md). On CPU it is measured (probe_cpu).
 DECODE_LAYER_OVERHEAD_S = 3.0e-4
 # Achieved fraction of link bandwidth in ZeRO's all-gathers and reduce-scatters (NCCL's bus
 # bandwidth on NVLink and InfiniBand runs at 70-85% of the link rate).
@@ -54,6 +54,9 @@ class Rates:
     memory: float
     link: float
     layer_overhead_s: float
+    # Per layer and micro batch of training: forward and backward ops dispatched one after the other
+    # (on a GPU they queue asynchronously behind training-sized work: 0).
+    train_layer_overhead_s: float = 0.0
     measured: str = ""  # how the FLOP rate was found, when it was measured rather than read
 
 
@@ -147,22 +150,25 @@ def hardware_rates(cfg: Config) -> Rates:
         link = hw.intra_node_gbs
     link_bps = link * 1e9 * COMM_EFFICIENCY if link else float("inf")
     if hw.accelerator == "cpu":
-        flops, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
-        # Decoding on CPU is bound by the same small matrix products the probe measures.
-        return Rates(flops, float("inf"), link_bps, 0.0, how)
+        flops, layer_s, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
+        # Backward dispatches about twice the forward's ops.
+        return Rates(flops, float("inf"), link_bps, layer_s, 3 * layer_s, how)
     if not hw.peak_tflops:
         raise ValueError(f"hardware={hw.name} has no hardware.peak_tflops: the forecast needs the device's peak")
     memory = hw.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY if hw.memory_bandwidth_gbs else float("inf")
     return Rates(hw.peak_tflops * 1e12 * MATMUL_EFFICIENCY, memory, link_bps, DECODE_LAYER_OVERHEAD_S)
 
 
-_PROBED: dict[tuple, tuple[float, str]] = {}
+_PROBED: dict[tuple, tuple[float, float, str]] = {}
 
 
-def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, str]:
-    """FLOP/s of this CPU in the matrix products a step of this width runs (a 256-row batch times a
-    width x 4*width weight, as the feed-forward layers do), best of a few repeats; cached per process."""
+def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, str]:
+    """This CPU's rates for a model of this width, best of a few repeats, cached per process: FLOP/s
+    in the matrix products a step runs (256 rows times a width x 4*width weight, as the feed-forward
+    layers), and the seconds one decoder layer takes for a single token (the ops of a layer at one
+    row: there the cost is dispatching ops, not arithmetic)."""
     import torch
+    import torch.nn.functional as F
 
     key = (width, precision, threads)
     if key not in _PROBED:
@@ -170,19 +176,35 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, str]:
         before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
-        try:
-            a, b = torch.randn(256, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-            best = float("inf")
+
+        def best(fn, repeats: int) -> float:
+            fastest = float("inf")
             for _ in range(5):
                 t0 = time.perf_counter()
-                for _ in range(10):
-                    a @ b
-                best = min(best, (time.perf_counter() - t0) / 10)
+                for _ in range(repeats):
+                    fn()
+                fastest = min(fastest, (time.perf_counter() - t0) / repeats)
+            return fastest
+
+        try:
+            a, b = torch.randn(256, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+            rate = 2 * 256 * width * 4 * width / best(lambda: a @ b, 10)
+            x, w, up, down = (torch.randn(1, 1, width, dtype=dtype), torch.randn(width, width, dtype=dtype),
+                              torch.randn(width, 4 * width, dtype=dtype), torch.randn(4 * width, width, dtype=dtype))
+            cache = torch.randn(1, 32, width, dtype=dtype)
+
+            def layer():
+                h = F.layer_norm(x, (width,))
+                q, k, v = h @ w, h @ w, h @ w
+                keys, values = torch.cat([cache, k], 1), torch.cat([cache, v], 1)
+                h = x + torch.softmax(q @ keys.transpose(1, 2), -1) @ values @ w
+                return h + F.gelu(F.layer_norm(h, (width,)) @ up) @ down
+
+            layer_s = best(layer, 20)
         finally:
             torch.set_num_threads(before)
-        rate = 2 * 256 * width * 4 * width / best
-        _PROBED[key] = (rate, f"measured {rate / 1e9:.1f} GFLOP/s ({precision}, {threads or 'default'} thread(s), "
-                              f"width {width})")
+        _PROBED[key] = (rate, layer_s, f"measured {rate / 1e9:.1f} GFLOP/s and {layer_s * 1e6:.0f} us per layer and "
+                                       f"token ({precision}, {threads or 'default'} thread(s), width {width})")
     return _PROBED[key]
 
 
@@ -254,7 +276,8 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
                        hw.precision, rates)
-    phases = {"compute": steps * compute / rates.flops, "communication": steps * comm,
+    dispatch = step.gradient_accumulation_steps * cfg.model.num_layers * rates.train_layer_overhead_s
+    phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
     work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "
             f"{step.global_batch_size} x {seq} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
@@ -350,7 +373,11 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepFor
     greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, hw.precision, rates)
     if "reward" in roles:
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
-    phases = {"generation": steps * generate, "scoring": steps * scoring, "updates": steps * train / rates.flops,
+    micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
+    train_dispatch = micro * (actor.num_layers + (critic.num_layers if "critic" in roles else 0)) \
+        * rates.train_layer_overhead_s
+    phases = {"generation": steps * generate, "scoring": steps * scoring,
+              "updates": steps * (train / rates.flops + train_dispatch),
               "communication": steps * comm, "evaluation": (evals + 2) * greedy}
     work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
             f"steps of {per_step} rollouts x ({prompt} + {answer}) tokens" if part_rows
