@@ -19,19 +19,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from rlhf.errors import ConfigError, DataError  # noqa: F401  (raised by the schema; DataError re-exported)
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-class ConfigError(ValueError):
-    """A user error in the composed config; launch.py prints it without a traceback."""
-
-    kind = "config"
-
-
-class DataError(ConfigError):
-    """A user's data cannot be used as configured: the message names the file, row and column."""
-
-    kind = "data"
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:

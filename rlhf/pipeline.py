@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf import launch_step
 from rlhf.config import STEPS, Config, ConfigError, compose_config, to_schema
+from rlhf.readiness import weak_step
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
 # Role paths typed on the command line are passed on and win over the chain's own outputs.
@@ -202,55 +203,6 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
     lines += [f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}",
               f"[e2e] next: python -m rlhf.chat --path {last}"]
     return "\n".join(lines)
-
-
-def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) -> str | None:
-    """Why the chain's step ``name`` cannot work, judged from the final figures of the steps before it
-    in ``chain_dir`` and the chain's floors (``pipe``: its pipeline settings); None if nothing says so.
-    One line: the figure, why it dooms the step, and the override that fixes it."""
-    def final(prev: str) -> dict:
-        f = chain_dir / prev / "final_metrics.json"
-        return json.loads(f.read_text()) if prev in steps and f.exists() else {}
-
-    if name == "ppo":
-        rm = final("reward").get("eval/acc")
-        if pipe.reward_min_accuracy and rm is not None and rm < pipe.reward_min_accuracy \
-                and step.step.reward_model_weight > 0:
-            # A rule that scores answers is a reward that cannot be gamed: the fix where there is one.
-            rule_fix = (f", or reward PPO with your rule instead ({step.data.rule}): "
-                        "pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0"
-                        if step.data.rule else "")
-            return (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
-                    f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. Train it "
-                    f"longer (pipeline.reward.step.epochs=N) or on more pairs{rule_fix}")
-        acc = final("sft").get("eval/accuracy")
-        if pipe.min_policy_accuracy and acc is not None and acc < pipe.min_policy_accuracy:
-            return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="
-                    f"{pipe.min_policy_accuracy}: PPO can only reinforce right answers it samples, and it samples "
-                    "almost none. Train SFT longer (pipeline.sft.step.epochs=N)")
-    if pipe.sft_loss_still_falling and "sft" in steps and steps.index("sft") == steps.index(name) - 1:
-        sft = final("sft")
-        f = chain_dir / "sft" / "metrics.jsonl"
-        losses = [row["eval/loss"] for row in map(json.loads, f.open()) if "eval/loss" in row] if f.exists() else []
-        # Whether SFT's own stop rule fired: it reads the select half (select/accuracy).
-        reached = sft.get("select/accuracy", -1.0) >= (step_stop := _sft_stop_at(chain_dir))
-        if len(losses) >= 2 and not reached and losses[-2] > 0:
-            drop = (losses[-2] - losses[-1]) / losses[-2]
-            if drop > pipe.sft_loss_still_falling:
-                return (f"SFT stopped with its held-out loss still falling ({losses[-2]:.3f} -> {losses[-1]:.3f}, "
-                        f"{drop:.0%} over its last evaluation interval, more than pipeline.sft_loss_still_falling="
-                        f"{pipe.sft_loss_still_falling}"
-                        + (f"; held-out accuracy {sft['select/accuracy']:.1%} < {step_stop}"
-                           if step_stop < 2 and "select/accuracy" in sft else "")
-                        + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
-    return None
-
-
-def _sft_stop_at(chain_dir: Path) -> float:
-    """The SFT step's step.stop_at_accuracy from its resolved config (2, never reached, if unset)."""
-    cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml")
-    value = cfg.step.get("stop_at_accuracy")
-    return 2.0 if value is None else float(value)
 
 
 def _shown(args: list[str], name: str, delta: dict) -> str:

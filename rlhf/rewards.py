@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rlhf.data import synthetic
+from rlhf.errors import ConfigError
 
 RewardFn = Callable[[str, str], float]
 
@@ -34,7 +35,6 @@ DATA_RULE = "rule"
 def resolve(ref: str, key: str) -> RewardFn:
     """The function ``ref`` names (a REWARD_FNS key or ``module:function``), wrapped so that a failure
     or a non-number names the rule, the prompt and the answer. Raises ConfigError naming ``key``."""
-    from rlhf.config import ConfigError
 
     if ref in REWARD_FNS:
         return _checked(REWARD_FNS[ref], ref)

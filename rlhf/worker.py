@@ -106,11 +106,11 @@ def main(cfg: Config) -> dict:
 
 def judge_start(cfg: Config, steps: list[str]) -> None:
     """A chain's step started in a launch of several ranks is judged as the one-process chain judges
-    it (rlhf.pipeline.weak_step), from the chain's settings in the folder above the step's."""
+    it (rlhf.readiness.weak_step), from the chain's settings in the folder above the step's."""
     from omegaconf import OmegaConf
 
     from rlhf.config import ConfigError, PipelineConfig
-    from rlhf.pipeline import weak_step
+    from rlhf.readiness import weak_step
 
     chain_dir = Path(cfg.run_dir).parent
     if not (chain_dir / "config.yaml").exists():

@@ -285,7 +285,7 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     as PPO's reward (no reward model to game). The figures are read from the steps' final metrics."""
     from omegaconf import OmegaConf
 
-    from rlhf.pipeline import weak_step
+    from rlhf.readiness import weak_step
 
     for step, final in (("sft", {"eval/accuracy": 0.30, "select/accuracy": 0.31}), ("reward", {"eval/acc": 0.71})):
         (tmp_path / step).mkdir()
