@@ -18,16 +18,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
-from tqdm import tqdm
 
 from rlhf import engine as engine_factory
 from rlhf import losses, memory, models, rewards, rollout
-from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.data.blend import heldout_split
 from rlhf.data.tokenize import PairCollator, pair_dataset
-from rlhf.distributed import mean_over_ranks
-from rlhf.runners import common
+from rlhf.runners import common, loop
 
 
 def pair_logprobs(engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +145,6 @@ def run(cfg: Config) -> dict:
                    f"beta {step_cfg.beta}, reference log-probs {step_cfg.reference_logprobs}")
     state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps,
                                                ("loss", "pref_acc", "chosen_reward", "rejected_reward"), "dpo")
-    stop = StopRequest()
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
         metrics = evaluate(engine, ref, evaluation, step_cfg)
@@ -160,53 +156,27 @@ def run(cfg: Config) -> dict:
             common.say(f"[dpo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
         return metrics
 
+    def ready(epoch: int) -> bool:
+        """Evaluate; DPO has no readiness rule: it trains its full length."""
+        state.last, state.last_eval_step = full_eval(state.step, epoch), state.step
+        return False
+
+    def micro_step(batch: dict) -> tuple:
+        policy = pair_logprobs(engine, batch)
+        if ref is None:
+            reference = (batch["ref_chosen"], batch["ref_rejected"])
+        else:
+            with torch.no_grad():
+                reference = pair_logprobs(ref, batch)
+        loss, r = dpo_loss(policy, reference, chosen_tokens(batch), step_cfg)
+        return loss, {"pref_acc": preferred(r).mean().item(), "chosen_reward": r["chosen"].mean().item(),
+                      "rejected_reward": r["rejected"].mean().item()}
+
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         state.first = state.last = full_eval(0, 0)
-    meter = common.Throughput(cfg, n_params, world)
-    meter.micro = state.window_micro
-    skip = state.batch_index
-
-    bar = tqdm(total=state.total_steps, initial=state.step, desc="dpo", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(state.epoch, step_cfg.epochs):
-        for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
-            policy = pair_logprobs(engine, batch)
-            if ref is None:
-                reference = (batch["ref_chosen"], batch["ref_rejected"])
-            else:
-                with torch.no_grad():
-                    reference = pair_logprobs(ref, batch)
-            loss, r = dpo_loss(policy, reference, chosen_tokens(batch), step_cfg)
-            value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, "DPO loss")
-            window = state.window
-            window["loss"] += value
-            window["pref_acc"] += preferred(r).mean().item()
-            window["chosen_reward"] += r["chosen"].mean().item()
-            window["rejected_reward"] += r["rejected"].mean().item()
-            if not boundary:
-                continue
-            state.step += 1
-            bar.update(1)
-            if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
-                metrics = mean_over_ranks({k: v / meter.micro for k, v in window.items()})
-                metrics.update(margin=metrics["chosen_reward"] - metrics["rejected_reward"], lr=engine.get_lr()[0],
-                               epoch=epoch, **meter.summary(step_cfg.global_batch_size))
-                logger.log(metrics, step=state.step)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['pref_acc']:.3f}")
-                state.window = dict.fromkeys(window, 0.0)
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
-                state.last, state.last_eval_step = full_eval(state.step, epoch), state.step
-            if state.step >= state.total_steps:
-                break
-            ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "dpo")
-        skip = 0
-        if state.last_eval_step != state.step:
-            state.last, state.last_eval_step = full_eval(state.step, epoch + 1), state.step
-        if state.step >= state.total_steps:
-            break
-        # The epoch boundary: a resume trains the remaining epochs.
-        ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
-    bar.close()
+    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, "DPO loss",
+               derive=lambda m: {"margin": m["chosen_reward"] - m["rejected_reward"]}, postfix=("loss", "pref_acc"))
 
     # -------------------------------------------------------------------------------- save
     return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)

@@ -20,16 +20,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from rlhf import losses, models, rewards
-from rlhf.checkpoint import StopRequest, save_hf_model
+from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
-from rlhf.distributed import mean_over_ranks
-from rlhf.runners import common
+from rlhf.runners import common, loop
 
 
 def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +150,6 @@ def run(cfg: Config) -> dict:
         common.say(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
               f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters")
     state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), "reward")
-    stop = StopRequest()
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
         metrics = {**common.as_select(evaluate(engine, selection, step_cfg.score_at)),
@@ -173,50 +170,19 @@ def run(cfg: Config) -> dict:
             save_hf_model(engine, tokenizer, Path(cfg.run_dir) / "best_model")
         return done
 
+    def micro_step(batch: dict) -> tuple:
+        loss, chosen, rejected = pair_scores(engine, batch, step_cfg.score_at)
+        if step_cfg.score_regularizer:
+            loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
+        return loss, {"acc": losses.pairwise_accuracy(chosen, rejected).item(), "chosen": chosen.mean().item(),
+                      "rejected": rejected.mean().item()}
+
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         state.first = state.last = full_eval(0, 0)
         state.judge(state.first, "select/acc", True, 0)
-    meter = common.Throughput(cfg, n_params, world)
-    meter.micro = state.window_micro
-    skip = state.batch_index
-
-    bar = tqdm(total=state.total_steps, initial=state.step, desc="reward",
-               disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(state.epoch, step_cfg.epochs):
-        for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
-            loss, chosen, rejected = pair_scores(engine, batch, step_cfg.score_at)
-            if step_cfg.score_regularizer:
-                loss = loss + step_cfg.score_regularizer * losses.score_regularizer(chosen, rejected)
-            value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, "reward loss")
-            window = state.window
-            window["loss"] += value
-            window["acc"] += losses.pairwise_accuracy(chosen, rejected).item()
-            window["chosen"] += chosen.mean().item()
-            window["rejected"] += rejected.mean().item()
-            if not boundary:
-                continue
-            state.step += 1
-            bar.update(1)
-            if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
-                metrics = mean_over_ranks({k: v / meter.micro for k, v in window.items()})
-                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(step_cfg.global_batch_size))
-                logger.log(metrics, step=state.step)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['acc']:.3f}")
-                state.window = dict.fromkeys(window, 0.0)
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0 and ready(epoch):
-                state.total_steps = state.step
-            if state.step >= state.total_steps:
-                break
-            ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "reward")
-        skip = 0
-        if state.last_eval_step != state.step and ready(epoch + 1):
-            state.total_steps = state.step
-        if state.step >= state.total_steps:
-            break
-        # The epoch boundary: a resume trains the remaining epochs.
-        ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
-    bar.close()
+    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, "reward loss",
+               postfix=("loss", "acc"))
 
     # -------------------------------------------------------------------------------- save
     def keep_best(final: dict) -> None:

@@ -14,16 +14,12 @@ import math
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from rlhf import memory, models, rewards, rollout
-from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.data.blend import heldout_split
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
-from rlhf.distributed import mean_over_ranks
-from rlhf.logging import format_line
-from rlhf.runners import common
+from rlhf.runners import common, loop
 
 
 @torch.no_grad()
@@ -90,7 +86,6 @@ def run(cfg: Config) -> dict:
         common.say(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
               f"{step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters")
     state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss",), "sft")
-    stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
     def ready(epoch: int) -> bool:
@@ -108,45 +103,8 @@ def run(cfg: Config) -> dict:
         state.first = state.last = evaluate(True)
         logger.log({**state.first, "epoch": 0}, step=0)
         state.judge(state.first, "eval/loss", False, 0)
-    meter = common.Throughput(cfg, n_params, world)
-    meter.micro = state.window_micro
-    skip = state.batch_index
-
-    bar = tqdm(total=state.total_steps, initial=state.step, desc="sft", disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(state.epoch, step_cfg.epochs):
-        for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
-            loss = engine(**batch).loss
-            value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, "SFT loss")
-            state.window["loss"] += value
-            if not boundary:
-                continue
-            state.step += 1
-            bar.update(1)
-            if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
-                metrics = {**mean_over_ranks({"loss": state.window["loss"] / meter.micro}), "lr": engine.get_lr()[0],
-                           "epoch": epoch, **meter.summary(step_cfg.global_batch_size)}
-                logger.log(metrics, step=state.step)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-                if rank == 0 and not cfg.logging.progress_bar:
-                    common.say(f"[sft] step {state.step}/{state.total_steps} {format_line(metrics)}")
-                state.window["loss"] = 0.0
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0 and ready(epoch):
-                state.total_steps = state.step
-            if state.step >= state.total_steps:
-                break
-            ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, "sft")
-        skip = 0
-        if state.last_eval_step != state.step:
-            if ready(epoch + 1):
-                state.total_steps = state.step
-            if rank == 0:
-                common.say(f"[sft] epoch {epoch + 1}: eval ppl {state.first['eval/ppl']:.3f} -> "
-                      f"{state.last['eval/ppl']:.3f}")
-        if state.step >= state.total_steps:
-            break
-        # The epoch boundary: a resume trains the remaining epochs.
-        ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
-    bar.close()
+    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params,
+               lambda batch: (engine(**batch).loss, {}), ready, "SFT loss")
     if report_prompts:  # the output's reported accuracy, on prompts the stop rule never read
         reported = greedy(report_prompts)
         state.last = {**state.last, **reported}
