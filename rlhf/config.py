@@ -471,6 +471,22 @@ class DPOStepConfig(GreedyEvalStepConfig):
 
 
 @dataclass
+class SimPOStepConfig(GreedyEvalStepConfig):
+    name: str = "simpo"
+    # Scale of the implicit reward beta / |y| * log pi(y|x) (Meng et al. 2024 use 2.0-2.5).
+    beta: float = 2.0
+    # Target margin between the chosen and rejected rewards (the paper's gamma, 0.5-1.5).
+    gamma: float = 1.0
+    # Train without dropout (noisy log-probs bias the margin); false keeps model.dropout.
+    disable_dropout: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("step.beta", self.beta)
+        _positive("step.gamma", self.gamma, allow_zero=True)
+
+
+@dataclass
 class PPOStepConfig(StepConfig):
     name: str = "ppo"
     # Prompts each device generates answers for per PPO step (the rollout batch).
@@ -664,6 +680,8 @@ STEPS: dict[str, StepSpec] = {
     # DeepSpeed-Chat's DPO alternative to steps 2-3: the policy learns from the reward part's pairs.
     "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs",
                     (Role("actor", True, True), Role("reference", False, True))),
+    # SimPO: reference-free, the policy alone learns from the reward part's pairs.
+    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (Role("actor", True, True),)),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
                     (Role("actor", True, True), Role("reference", False, True), Role("critic", True, False),
                      Role("reward", False, False))),
@@ -791,6 +809,7 @@ SFTDelta = _step_delta(SFTStepConfig)
 RewardDelta = _step_delta(RewardStepConfig)
 PPODelta = _step_delta(PPOStepConfig)
 DPODelta = _step_delta(DPOStepConfig)
+SimPODelta = _step_delta(SimPOStepConfig)
 
 
 @dataclass
@@ -820,6 +839,7 @@ class PipelineConfig:
     reward: RewardDelta = field(default_factory=RewardDelta)
     ppo: PPODelta = field(default_factory=PPODelta)
     dpo: DPODelta = field(default_factory=DPODelta)
+    simpo: SimPODelta = field(default_factory=SimPODelta)
 
     def __post_init__(self) -> None:
         _choice("pipeline.on_weak_step", self.on_weak_step, ("stop", "warn"))

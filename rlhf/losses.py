@@ -107,6 +107,17 @@ def answer_nll(logprob_sum: torch.Tensor, answer_tokens: torch.Tensor) -> torch.
     return (-logprob_sum / answer_tokens.clamp(min=1)).mean()
 
 
+def simpo(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, chosen_len: torch.Tensor,
+          rejected_len: torch.Tensor, beta: float, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO (Meng, Xia and Chen 2024, eq. 6): -log sigmoid(beta / |y_w| * log pi(y_w|x) - beta / |y_l| *
+    log pi(y_l|x) - gamma), per pair, with the implicit rewards beta / |y| * log pi(y|x): the average
+    log-likelihood of an answer (what generation ranks by) with no reference model, and gamma a target
+    margin between the rewards. ``*_logp``: summed answer log-probs; ``*_len``: answer tokens."""
+    chosen = beta * chosen_logp / chosen_len
+    rejected = beta * rejected_logp / rejected_len
+    return -F.logsigmoid(chosen - rejected - gamma), chosen, rejected
+
+
 def dpo_margin(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
                ref_rejected: torch.Tensor) -> torch.Tensor:
     """(log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l)), per pair."""

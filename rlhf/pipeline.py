@@ -62,7 +62,7 @@ def step_overrides(cfg: DictConfig, name: str, overrides: list[str], outputs: di
         extra.append(f"+stage=[{','.join(stages)}]")
     if name == "reward" and cfg.pipeline.reward_from_sft and "sft" in outputs:
         extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
-    if name in ("ppo", "dpo"):
+    if any(role.name == "actor" for role in STEPS[name].roles):  # a policy step starts from the SFT output
         extra += [f"actor.path={outputs['sft']}"] if "sft" in outputs else []
     if name == "ppo":
         extra += [f"critic.path={outputs['reward']}"] if "reward" in outputs else []
@@ -180,6 +180,8 @@ SUMMARY_FIGURES = {
     "reward": [("eval/acc", "held-out pairwise accuracy", True)],
     "dpo": [("eval/pref_acc", "held-out preference accuracy", True),
             ("eval/accuracy", "held-out accuracy by the rule", True)],
+    "simpo": [("eval/pref_acc", "held-out preference accuracy", True),
+              ("eval/accuracy", "held-out accuracy by the rule", True)],
     "ppo": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/rm_score", "reward-model score", False)],
 }
 

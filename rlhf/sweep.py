@@ -21,6 +21,7 @@ OBJECTIVES: dict[str, tuple[str, str]] = {
     "reward": ("eval/acc", "max"),
     "ppo": ("eval/accuracy", "max"),
     "dpo": ("eval/pref_acc", "max"),
+    "simpo": ("eval/pref_acc", "max"),
 }
 RESULT_FILE = "metrics.json"
 

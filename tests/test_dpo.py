@@ -1,6 +1,6 @@
-"""DPO through real DeepSpeed engines: it learns the preferences, saves a plain causal LM, computes
-the same thing with the reference precomputed or online, resumes exactly, runs under ZeRO-3 with
-the reference offloaded, and the SFT -> DPO chain runs."""
+"""DPO and SimPO through real DeepSpeed engines: they learn the preferences, save a plain causal LM,
+resume exactly, and chain after SFT; DPO computes the same thing with the reference precomputed or
+online and runs under ZeRO-3 with the reference offloaded."""
 
 from __future__ import annotations
 
@@ -114,3 +114,37 @@ def test_sft_then_dpo_chain(tmp_path):
     assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["dpo"]["overrides"]
     assert result["dpo/eval/pref_acc"] > result["dpo/eval/pref_acc_before"]
     assert (tmp_path / "dpo" / "model" / "config.json").exists()
+
+
+# --------------------------------------------------------------------------------------- SimPO
+def test_simpo_learns_the_preferences_without_a_reference(tmp_path, sft_model):
+    """SimPO builds one model (no reference, no reward model), widens the length-normalized margin
+    toward gamma, and saves a plain causal LM that changed from its start."""
+    final = run(compose(["step=simpo", "step.max_steps=40", "step.eval_every_steps=0", "step.eval_accuracy_prompts=32",
+                         "optim.lr=1e-3", "step.log_every_steps=5", *QUIET, f"actor.path={sft_model}",
+                         f"run_dir={tmp_path}"]))
+    assert final["eval/margin"] > final["eval/margin_before"] + 0.2 and final["eval/loss"] < final["eval/loss_before"]
+    assert final["eval/pref_acc"] >= final["eval/pref_acc_before"] and "eval/accuracy" in final
+    assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor"}
+    before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_simpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
+    args = ["step=simpo", f"actor.path={sft_model}", "step.max_steps=16", "data.max_train_samples=320",
+            "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",
+            "step.eval_accuracy_prompts=0"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "loss", 6)
+    _straight(args, tmp_path / "b")
+    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+
+
+def test_sft_then_simpo_chain(tmp_path):
+    overrides = ["pipeline=simpo", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
+                 "pipeline.simpo.step.max_steps=5", "pipeline.simpo.step.eval_accuracy_prompts=16"]
+    run(compose(overrides), overrides=overrides)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert list(manifest["steps"]) == ["sft", "simpo"]
+    assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["simpo"]["overrides"]
+    assert (tmp_path / "simpo" / "model" / "config.json").exists()

@@ -375,6 +375,18 @@ def test_dpo_losses_by_hand():
     assert losses.dpo_margin(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.5])).item() == pytest.approx(1.5)
 
 
+def test_simpo_by_hand():
+    """Chosen: log-prob -4 over 2 tokens; rejected: -9 over 3; beta 2: rewards 2 * -2 = -4 and 2 * -3 = -6.
+    Margin 2 minus gamma 1 = 1: -log sigmoid(1) = 0.313262. Longer answers are not favoured: the same
+    per-token log-prob gives the same reward at any length."""
+    loss, chosen, rejected = losses.simpo(t([-4.0]), t([-9.0]), t([2.0]), t([3.0]), beta=2.0, gamma=1.0)
+    assert chosen.item() == -4.0 and rejected.item() == -6.0
+    assert loss.item() == pytest.approx(0.313262, abs=1e-5)
+    # gamma = the margin: the loss is log 2, where DPO's margin 0 puts it.
+    assert losses.simpo(t([-4.0]), t([-9.0]), t([2.0]), t([3.0]), 2.0, 2.0)[0].item() == pytest.approx(math.log(2))
+    assert losses.simpo(t([-2.0]), t([-20.0]), t([2.0]), t([20.0]), 2.0, 0.0)[0].item() == pytest.approx(math.log(2))
+
+
 def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])

@@ -61,6 +61,21 @@ def as_select(metrics: dict[str, float]) -> dict[str, float]:
     return {"select/" + k.split("/", 1)[1]: v for k, v in metrics.items()}
 
 
+def greedy_check(cfg: Config, eval_prompts: list[str], tokenizer, report) -> tuple:
+    """The data's rule and the held-out prompts a step with no readiness rule scores greedy answers on
+    (step.eval_accuracy_prompts of the reported half, the prompts every step of a chain reports on);
+    no prompts where no rule scores them."""
+    from rlhf import rewards, rollout
+    from rlhf.data.blend import heldout_split
+
+    rule = rewards.task_rule(cfg.data.rule, eval_prompts)
+    rows = heldout_split(eval_prompts, cfg.step.eval_accuracy_prompts)[1]
+    if not cfg.step.eval_accuracy_prompts or rule is None or not rows:
+        return rule, []
+    return rule, rollout.prompt_dataset([{"prompt": eval_prompts[i]} for i in rows], tokenizer, cfg.step.max_seq_len,
+                                        report, "eval")
+
+
 def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int, role: str,
                  frozen: dict | None = None, dropout: float | None = None):
     """The step's one trainable model, loaded with ``load`` (models.load_causal_lm or

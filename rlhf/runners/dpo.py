@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from rlhf import engine as engine_factory
-from rlhf import losses, memory, models, rewards, rollout
+from rlhf import losses, memory, models, rollout
 from rlhf.config import Config
-from rlhf.data.blend import heldout_split
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.runners import common, loop
 
@@ -111,14 +110,7 @@ def run(cfg: Config) -> dict:
         cfg, "dpo", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
     collate = PairCollator(tokenizer.pad_token_id, answer_mask=True)
-    rule = rewards.task_rule(cfg.data.rule, eval_prompts)
-    # No rule selects on it here, but it is measured on the reported half of the held-out prompts, the
-    # prompts every other step of a chain reports on.
-    accuracy_prompts = []
-    report_rows = heldout_split(eval_prompts, step_cfg.eval_accuracy_prompts)[1]
-    if step_cfg.eval_accuracy_prompts and rule is not None and report_rows:
-        accuracy_prompts = rollout.prompt_dataset([{"prompt": eval_prompts[i]} for i in report_rows], tokenizer,
-                                                  step_cfg.max_seq_len, report, "eval")
+    rule, accuracy_prompts = common.greedy_check(cfg, eval_prompts, tokenizer, report)
     gather_whole = memory.generation_gathers_whole_model(cfg)
 
     dtype = engine_factory.model_dtype(cfg)
