@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -302,20 +303,54 @@ def unjudged_note(first: dict, last: dict, kl: float) -> str | None:
             "samples.jsonl")
 
 
-def run(cfg: Config) -> dict:
-    # ------------------------------------------------------------------------------- setup
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir = Path(cfg.run_dir)
-    step_cfg = cfg.step
+@dataclass
+class Roles:
+    """PPO's models and scorers, built once (build_roles): engines for the actor and its frozen
+    reference, the critic (None for critic-free estimators) and the frozen reward model (None without
+    a reward-model weight); the reward rule and the rule that judges greedy answers."""
+
+    tokenizer: object
+    actor_path: str
+    actor: object
+    ref: object
+    critic: object | None
+    reward: object | None
+    rule_fn: object | None
+    eval_rule: object | None
+    ds_configs: dict
+    n_actor: int
+    n_critic: int
+    n_reward: int
+
+
+@dataclass
+class Prompts:
+    """PPO's data: the train prompts' loader (prompts repeated samples_per_prompt times, left-padded),
+    the held-out halves (select/* picks the best actor; eval/* reports), the PPO-ptx batches, the
+    number of PPO steps and the data report."""
+
+    loader: DataLoader
+    sampler: DistributedSampler
+    count: int
+    select: list[dict]
+    report_half: list[dict]
+    ptx: object | None
+    steps: int
+    report: DataReport
+
+
+def checked_tokenizer(cfg: Config) -> tuple[object, str, str, str]:
+    """The actor's tokenizer (left padding) and the actor, critic and reward paths; refuses a critic or
+    reward model of another tokenizer (it would score the actor's token ids as noise)."""
     actor_path = cfg.actor.path or models.resolve_path(cfg.model)
     reward_path = cfg.reward.path or cfg.critic.path
     if problems := ppo_role_problems(cfg):
         raise ConfigError("; ".join(problems))
     # Critic-free estimators (GRPO, RLOO, REINFORCE++) build no critic: no model, optimizer or checkpoint.
-    with_critic = losses.ESTIMATORS[step_cfg.advantage_estimator].needs_critic
-    critic_path = (cfg.critic.path or reward_path or actor_path) if with_critic else ""
+    critic_path = (cfg.critic.path or reward_path or actor_path) \
+        if losses.ESTIMATORS[cfg.step.advantage_estimator].needs_critic else ""
     tokenizer = models.load_tokenizer(actor_path, cfg.model.trust_remote_code)
-    for role, path in (("critic", critic_path), ("reward", reward_path if step_cfg.reward_model_weight > 0 else "")):
+    for role, path in (("critic", critic_path), ("reward", reward_path if cfg.step.reward_model_weight > 0 else "")):
         if path and path != actor_path:
             why = models.tokenizer_mismatch(tokenizer, models.load_tokenizer(path, cfg.model.trust_remote_code))
             if why:
@@ -323,41 +358,32 @@ def run(cfg: Config) -> dict:
                                   f"({why}): it would score the actor's token ids as noise. Train the reward model "
                                   "from a model of the actor's family")
     tokenizer.padding_side = "left"
+    return tokenizer, actor_path, critic_path, reward_path
 
+
+def build_prompts(cfg: Config, tokenizer, rank: int, world: int) -> Prompts:
+    step_cfg = cfg.step
     report = DataReport()
     train_rows, eval_rows = load_step_data(cfg.data, "ppo", report, tokenizer)
     train_prompts = prompt_dataset(train_rows, tokenizer, step_cfg.max_prompt_len, report, "train",
                                    cfg.data.long_prompts)
     # Held-out prompts, halved: keeping the best actor and the hacking warning read one half
     # (select/*), every reported figure (before, after, the output's) comes from the other (eval/*).
-    select_prompts, eval_prompts = (
+    select, report_half = (
         prompt_dataset(eval_rows.select(part), tokenizer, step_cfg.max_prompt_len, report, "eval",
                        cfg.data.long_prompts) for part in heldout_split(eval_rows["prompt"], step_cfg.eval_prompts))
-    # The data's rule (data.rule, or the shipped tasks' on their prompts) measures greedy accuracy and
-    # the truth of the rollouts even when it is not part of the reward: the check against the truth.
-    data_rule = rewards.task_rule(cfg.data.rule, [p["prompt"] for p in eval_prompts])
-    rule_fn = None
-    if step_cfg.reward_fn == rewards.DATA_RULE:
-        if data_rule is None:
-            raise ConfigError("step.reward_fn=rule but no rule scores these prompts: set data.rule="
-                              "package.module:function, or give step.reward_fn such a reference")
-        rule_fn = data_rule
-    elif step_cfg.reward_fn:
-        rule_fn = rewards.resolve(step_cfg.reward_fn, "step.reward_fn")
-    eval_rule = data_rule or rule_fn
-    prompts_per_step = step_cfg.rollout_batch_size_per_device // step_cfg.samples_per_prompt
+    per_step = step_cfg.rollout_batch_size_per_device // step_cfg.samples_per_prompt
     sampler = DistributedSampler(train_prompts, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed,
                                  drop_last=True)
-    loader = DataLoader(train_prompts, batch_size=prompts_per_step, sampler=sampler, drop_last=True,
+    loader = DataLoader(train_prompts, batch_size=per_step, sampler=sampler, drop_last=True,
                         collate_fn=lambda b: left_pad([x for x in b for _ in range(step_cfg.samples_per_prompt)],
                                                       tokenizer.pad_token_id))
-    ppo_steps = len(loader) * step_cfg.epochs
+    steps = len(loader) * step_cfg.epochs
     if step_cfg.max_steps > 0:
-        ppo_steps = min(ppo_steps, step_cfg.max_steps)
-    if ppo_steps == 0:
-        raise ValueError(f"{len(train_prompts)} prompts make no PPO step of {prompts_per_step} prompts per device")
-    updates_per_step = ppo_updates_per_step(cfg)
-    ptx_iter = None
+        steps = min(steps, step_cfg.max_steps)
+    if steps == 0:
+        raise ValueError(f"{len(train_prompts)} prompts make no PPO step of {per_step} prompts per device")
+    ptx = None
     if step_cfg.ptx_coef > 0:
         ptx_len = step_cfg.max_prompt_len + step_cfg.max_new_tokens
         if cfg.data.ptx_sources:  # unsupervised text: next-token loss on all of it, cut to the rollout length
@@ -369,187 +395,254 @@ def run(cfg: Config) -> dict:
         ptx_loader = DataLoader(ptx_ds, batch_size=step_cfg.micro_batch_size_per_device, drop_last=True,
                                 sampler=DistributedSampler(ptx_ds, num_replicas=world, rank=rank, seed=cfg.seed),
                                 collate_fn=PadCollator(tokenizer.pad_token_id))
-        ptx_iter = iter(_forever(ptx_loader))
+        ptx = iter(_forever(ptx_loader))
     if rank == 0:
-        (run_dir / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+        (Path(cfg.run_dir) / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    return Prompts(loader, sampler, len(train_prompts), select, report_half, ptx, steps, report)
 
-    dtype = engine_factory.model_dtype(cfg)
+
+def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompts: list[dict],
+                total_updates: int) -> Roles:
+    """Load the four models through the one engine factory (sharded while loading under ZeRO-3) and
+    resolve the reward rule and the rule that judges greedy answers."""
+    step_cfg, (actor_path, critic_path, reward_path) = cfg.step, paths
+    # The data's rule (data.rule, or the shipped tasks' on their prompts) measures greedy accuracy and
+    # the truth of the rollouts even when it is not part of the reward: the check against the truth.
+    data_rule = rewards.task_rule(cfg.data.rule, [p["prompt"] for p in eval_prompts])
+    rule_fn = None
+    if step_cfg.reward_fn == rewards.DATA_RULE:
+        if data_rule is None:
+            raise ConfigError("step.reward_fn=rule but no rule scores these prompts: set data.rule="
+                              "package.module:function, or give step.reward_fn such a reference")
+        rule_fn = data_rule
+    elif step_cfg.reward_fn:
+        rule_fn = rewards.resolve(step_cfg.reward_fn, "step.reward_fn")
+    dtype, trust = engine_factory.model_dtype(cfg), cfg.model.trust_remote_code
     with engine_factory.loading_context(cfg):
-        actor_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
-        ref_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
-        critic_model = (models.load_reward_model(critic_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
-                        if with_critic else None)
-        reward_model = (models.load_reward_model(reward_path, tokenizer, dtype, 0.0, cfg.model.trust_remote_code)
+        actor_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, trust)
+        ref_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, trust)
+        critic_model = models.load_reward_model(critic_path, tokenizer, dtype, 0.0, trust) if critic_path else None
+        reward_model = (models.load_reward_model(reward_path, tokenizer, dtype, 0.0, trust)
                         if step_cfg.reward_model_weight > 0 else None)
-    total_updates = ppo_steps * updates_per_step  # updates_per_step already counts optimizer steps
     actor, actor_ds = engine_factory.build_train_engine(actor_model, cfg, max(total_updates, 1))
     ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
     critic, critic_ds = (engine_factory.build_train_engine(critic_model, cfg, max(total_updates, 1),
                                                            lr=step_cfg.critic_lr, use_lora=False)
-                         if with_critic else (None, None))
+                         if critic_model is not None else (None, None))
     reward, reward_ds = (engine_factory.build_frozen_engine(reward_model, cfg, offload=step_cfg.offload_reward)
                          if reward_model is not None else (None, None))
-    n_actor, n_critic = count_params(actor.module), count_params(critic.module) if critic else 0
-    n_reward = count_params(reward.module) if reward else 0
-    ema = _ema_init(actor, step_cfg.ema_decay, cfg.lora.rank)
-    gather_whole = memory.generation_gathers_whole_model(cfg)  # the pre-flight's choice, for ZeRO-3 generation
-    kl_ctl = losses.AdaptiveKLController(step_cfg.kl_coef, step_cfg.kl_target, step_cfg.kl_horizon)
-    moments = losses.RunningMoments()
-    generator = torch.Generator().manual_seed(cfg.seed)
-    if rank == 0:
-        roles = {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds, "reward": reward_ds}
-        (run_dir / "ds_config.json").write_text(json.dumps({k: v for k, v in roles.items() if v}, indent=2))
-        say(f"[ppo] {len(train_prompts)} prompts, {ppo_steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
-              f"rollouts per device, {updates_per_step} micro-batch updates each; {step_cfg.advantage_estimator} "
-              f"advantages, KL ({step_cfg.kl_estimator}) in the {step_cfg.kl_in}; actor {n_actor / 1e6:.2f}M, critic "
-              f"{f'{n_critic / 1e6:.2f}M' if critic else 'none'} parameters; reward: "
-              f"{'reward model' if reward else ''}{' + ' if reward and rule_fn else ''}{step_cfg.reward_fn or ''}")
-    ckpt = Checkpointer(run_dir, {"actor": actor, **({"critic": critic} if critic else {})}, cfg.checkpoint.every_steps,
-                        cfg.checkpoint.keep_last)
-    resumed = ckpt.load() if cfg.resume == "auto" else None
-    logger = open_logger(cfg, rank, fresh=resumed is None)
-    stop = StopRequest()
+    ds_configs = {k: v for k, v in {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds,
+                                    "reward": reward_ds}.items() if v}
+    return Roles(tokenizer, actor_path, actor, ref, critic, reward, rule_fn, data_rule or rule_fn, ds_configs,
+                 count_params(actor.module), count_params(critic.module) if critic else 0,
+                 count_params(reward.module) if reward else 0)
 
-    # -------------------------------------------------------------------------------- loop
-    # The best held-out evaluation so far ({} until the first): its step and metrics.
-    best: dict = {}
-    warnings: list[str] = []
-    keep_best = step_cfg.keep_best and eval_rule is not None and step_cfg.save_model
 
-    def full_eval(step: int, reported: bool) -> dict[str, float]:
+@dataclass
+class Judge:
+    """Greedy evaluations and what they decide: the best held-out evaluation so far ({} until the
+    first: its step, its metrics and its select-half figures) and the warnings said so far."""
+
+    cfg: Config
+    roles: Roles
+    prompts: Prompts
+    logger: object
+    gather_whole: bool
+    best: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def evaluate(self, step: int, reported: bool, final_step: int) -> dict[str, float]:
         """Greedy answers to the select half (select/*), and to the reported half (eval/*) where
-        ``reported`` or where the select half makes this actor the best so far (it may be the output)."""
-        nonlocal best
+        ``reported`` or where the select half makes this actor the best so far (it may be the output);
+        keeps a new best actor in best_model/ and warns once of reward hacking."""
+        cfg, roles, step_cfg = self.cfg, self.roles, self.cfg.step
+        rank, run_dir = dist.get_rank(), Path(cfg.run_dir)
         samples: list[dict] = []
-        greedy = functools.partial(evaluate, actor, reward, eval_rule, tokenizer=tokenizer,
+        greedy = functools.partial(evaluate, roles.actor, roles.reward, roles.eval_rule, tokenizer=roles.tokenizer,
                                    max_new_tokens=step_cfg.max_new_tokens,
-                                   batch_size=step_cfg.eval_micro_batch_size_per_device, gather_whole=gather_whole)
-        chosen = greedy(prompts=select_prompts, samples=samples)
+                                   batch_size=step_cfg.eval_micro_batch_size_per_device, gather_whole=self.gather_whole)
+        chosen = greedy(prompts=self.prompts.select, samples=samples)
         metrics = as_select(chosen)
-        better = "eval/accuracy" in chosen and (not best or chosen["eval/accuracy"] > best["select"]["eval/accuracy"])
+        better = "eval/accuracy" in chosen and (not self.best or
+                                                chosen["eval/accuracy"] > self.best["select"]["eval/accuracy"])
         if reported or better:
-            metrics.update(greedy(prompts=eval_prompts))
-        logger.log(metrics, step=step)
+            metrics.update(greedy(prompts=self.prompts.report_half))
+        self.logger.log(metrics, step=step)
         if rank == 0 and metrics:
             say(f"[ppo] step {step} " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in metrics.items()))
             with open(run_dir / "samples.jsonl", "a") as f:  # what the greedy answers look like, per evaluation
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples[:16])
         if "eval/accuracy" not in chosen:
             return metrics
-        if best and (why := hacking_warning(best["select"], chosen, len(select_prompts))) and not warnings:
-            warnings.append(f"step {step}: {why}")
+        if self.best and (why := hacking_warning(self.best["select"], chosen, len(self.prompts.select))) \
+                and not self.warnings:
+            self.warnings.append(f"step {step}: {why}")
             if rank == 0:
-                say(f"[ppo] WARNING {warnings[-1]}")
+                say(f"[ppo] WARNING {self.warnings[-1]}")
         if better:
-            best = {"step": step, "metrics": metrics, "select": chosen}
+            self.best = {"step": step, "metrics": metrics, "select": chosen}
             # Step 0's actor is the start (on disk as the SFT output); the final one is saved as model/ anyway.
-            if keep_best and 0 < step < ppo_steps:
-                save_hf_model(actor, tokenizer, run_dir / "best_model", merge_lora=cfg.lora.merge_on_save)
+            if self.keeps_best and 0 < step < final_step:
+                save_hf_model(roles.actor, roles.tokenizer, run_dir / "best_model", merge_lora=cfg.lora.merge_on_save)
         return metrics
 
+    @property
+    def keeps_best(self) -> bool:
+        return self.cfg.step.keep_best and self.roles.eval_rule is not None and self.cfg.step.save_model
+
+
+def train_step(roles: Roles, prompts: Prompts, batch: dict, cfg: Config, kl_ctl, moments, generator,
+               gather_whole: bool, epoch: int) -> dict[str, float]:
+    """One PPO step: rollouts and their scores, the updates, and the step's figures (rollout
+    statistics over all ranks, losses, phase times, throughput); the KL controller moves after it."""
+    step_cfg, world = cfg.step, dist.get_world_size()
+    t0 = time.perf_counter()
+    exp = make_experience(roles.actor, roles.ref, roles.critic, roles.reward, roles.rule_fn, batch, roles.tokenizer,
+                          step_cfg, kl_ctl, moments, gather_whole)
+    t1 = time.perf_counter()
+    train = ppo_update(roles.actor, roles.critic, exp, step_cfg, kl_ctl.value, generator, prompts.ptx)
+    t2 = time.perf_counter()
+    metrics = {**rollout_metrics(exp, roles.eval_rule), **train, "kl_coef": kl_ctl.value}
+    kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
+    t3 = time.perf_counter()
+    n_seq, seq_len = exp.seq.shape
+    # Forward FLOPs 2N per token: generation, the scoring passes (reference, critic, reward model, and
+    # the actor's only with step.old_logprobs=recompute), then 3x (fwd+bwd) per update of the actor and
+    # the critic (0 without one).
+    scoring = roles.n_actor * (2 if step_cfg.old_logprobs == "recompute" else 1) + roles.n_critic + roles.n_reward
+    flops = 2 * roles.n_actor * exp.mask.sum().item() + 2 * scoring * n_seq * seq_len \
+        + step_cfg.ppo_epochs * 6 * (roles.n_actor + roles.n_critic) * n_seq * seq_len
+    metrics.update({"generate_s": exp.generate_s, "experience_s": t1 - t0, "train_s": t2 - t1, "other_s": t3 - t2,
+                    "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0), "tflops": flops / (t3 - t0) / 1e12,
+                    "lr": roles.actor.get_lr()[0], "epoch": epoch, "memory_gb": peak_memory_gb(cfg.hardware.accelerator)})
+    return metrics
+
+
+def run(cfg: Config) -> dict:
+    # ------------------------------------------------------------------------------- setup
+    rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
+    run_dir = Path(cfg.run_dir)
+    tokenizer, *paths = checked_tokenizer(cfg)
+    prompts = build_prompts(cfg, tokenizer, rank, world)
+    roles = build_roles(cfg, tokenizer, tuple(paths), prompts.report_half, prompts.steps * ppo_updates_per_step(cfg))
+    actor, ref, critic = roles.actor, roles.ref, roles.critic
+    ema = _ema_init(actor, step_cfg.ema_decay, cfg.lora.rank)
+    gather_whole = memory.generation_gathers_whole_model(cfg)  # the pre-flight's choice, for ZeRO-3 generation
+    kl_ctl = losses.AdaptiveKLController(step_cfg.kl_coef, step_cfg.kl_target, step_cfg.kl_horizon)
+    moments, generator = losses.RunningMoments(), torch.Generator().manual_seed(cfg.seed)
+    if rank == 0:
+        (run_dir / "ds_config.json").write_text(json.dumps(roles.ds_configs, indent=2))
+        say(f"[ppo] {prompts.count} prompts, {prompts.steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
+            f"rollouts per device, {ppo_updates_per_step(cfg)} micro-batch updates each; "
+            f"{step_cfg.advantage_estimator} advantages, KL ({step_cfg.kl_estimator}) in the {step_cfg.kl_in}; actor "
+            f"{roles.n_actor / 1e6:.2f}M, critic {f'{roles.n_critic / 1e6:.2f}M' if critic else 'none'} parameters; "
+            f"reward: {'reward model' if roles.reward else ''}{' + ' if roles.reward and roles.rule_fn else ''}"
+            f"{step_cfg.reward_fn or ''}")
+    ckpt = Checkpointer(run_dir, {"actor": actor, **({"critic": critic} if critic else {})}, cfg.checkpoint.every_steps,
+                        cfg.checkpoint.keep_last)
+    resumed = ckpt.load() if cfg.resume == "auto" else None
+    logger = open_logger(cfg, rank, fresh=resumed is None)
+    judge = Judge(cfg, roles, prompts, logger, gather_whole)
+    stop = StopRequest()
+
+    # -------------------------------------------------------------------------------- loop
     if resumed:
         step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
         first, last, last_eval_step = resumed["first"], resumed["last"], resumed["last_eval_step"]
         fingerprints = {k: tuple(v) for k, v in resumed["fingerprints"].items()}
-        best, warnings[:] = resumed["best"], resumed["warnings"]
+        judge.best, judge.warnings = resumed["best"], resumed["warnings"]
         kl_ctl.load_state_dict(resumed["kl_ctl"])
         moments.load_state_dict(resumed["moments"])
         generator.set_state(resumed["generator"])
-        if ema is not None:
-            ema = resumed["ema"]
+        ema = resumed["ema"] if ema is not None else None
         logger.truncate_after(step)
         if rank == 0:
             say(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})")
     else:
         fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
-        first = last = full_eval(0, True)
+        first = last = judge.evaluate(0, True, prompts.steps)
         step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
 
     def state(epoch: int, batch_index: int) -> dict:
         return {"step": step, "epoch": epoch, "batch_index": batch_index, "first": first, "last": last,
-                "last_eval_step": last_eval_step, "fingerprints": fingerprints, "best": best, "warnings": warnings,
-                "kl_ctl": kl_ctl.state_dict(),
-                "moments": moments.state_dict(), "generator": generator.get_state(), "ema": ema}
+                "last_eval_step": last_eval_step, "fingerprints": fingerprints, "best": judge.best,
+                "warnings": judge.warnings, "kl_ctl": kl_ctl.state_dict(), "moments": moments.state_dict(),
+                "generator": generator.get_state(), "ema": ema}
 
     last_kl = float("nan")  # the latest rollout batch's KL to the reference
-    bar = tqdm(total=ppo_steps, initial=step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
+    bar = tqdm(total=prompts.steps, initial=step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(start_epoch, step_cfg.epochs):
-        sampler.set_epoch(epoch)
-        if resumed and skip == 0 and epoch == start_epoch:
-            set_rng_state(resumed["rng"])  # saved at the epoch boundary, before the loader drew its seed
-        batches = iter(loader)
-        if resumed and skip and epoch == start_epoch:
-            set_rng_state(resumed["rng"])  # saved mid-epoch, after the loader drew its seed
-        for index, batch in enumerate(batches):
-            if index < skip:  # consumed before the checkpoint this run resumed from
-                continue
-            t0 = time.perf_counter()
-            exp = make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
-                                  gather_whole)
-            t1 = time.perf_counter()
-            train = ppo_update(actor, critic, exp, step_cfg, kl_ctl.value, generator, ptx_iter)
-            t2 = time.perf_counter()
+        for index, batch in _prompt_batches(prompts, epoch, start_epoch, skip, resumed):
+            metrics = train_step(roles, prompts, batch, cfg, kl_ctl, moments, generator, gather_whole, epoch)
             _ema_update(ema, actor, step_cfg.ema_decay)
-            step += 1
-            metrics = {**rollout_metrics(exp, eval_rule), **train, "kl_coef": kl_ctl.value}
-            last_kl = metrics["kl"]
-            kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
-            total_loss = train["policy_loss"] + train.get("value_loss", 0.0) + train.get("kl_loss", 0.0)
+            step, last_kl = step + 1, metrics["kl"]
+            total_loss = metrics["policy_loss"] + metrics.get("value_loss", 0.0) + metrics.get("kl_loss", 0.0)
             ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
-            t3 = time.perf_counter()
-            n_seq, seq_len = exp.seq.shape
-            gen_tokens = exp.mask.sum().item()
-            # Forward FLOPs 2N per token: generation, the scoring passes (reference, critic, reward
-            # model, and the actor's only with step.old_logprobs=recompute), then 3x (fwd+bwd) per
-            # update of the actor and the critic (0 without one).
-            scoring = n_actor * (2 if step_cfg.old_logprobs == "recompute" else 1) + n_critic + n_reward
-            flops = 2 * n_actor * gen_tokens + 2 * scoring * n_seq * seq_len \
-                + step_cfg.ppo_epochs * 6 * (n_actor + n_critic) * n_seq * seq_len
-            metrics.update({"generate_s": exp.generate_s, "experience_s": t1 - t0, "train_s": t2 - t1,
-                            "other_s": t3 - t2, "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0),
-                            "tflops": flops / (t3 - t0) / 1e12, "lr": actor.get_lr()[0], "epoch": epoch,
-                            "memory_gb": peak_memory_gb(cfg.hardware.accelerator)})
             logger.log(metrics, step=step)
             bar.update(1)
             bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
             if rank == 0 and step % step_cfg.log_every_steps == 0:
                 keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "kl_loss", "step_s")
-                say(f"[ppo] step {step}/{ppo_steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
+                say(f"[ppo] step {step}/{prompts.steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
             if step_cfg.eval_every_steps and step % step_cfg.eval_every_steps == 0:
-                last, last_eval_step = full_eval(step, step >= ppo_steps), step
-            if step >= ppo_steps:
+                last, last_eval_step = judge.evaluate(step, step >= prompts.steps, prompts.steps), step
+            if step >= prompts.steps:
                 break
             ckpt.after_step(step, state(epoch, index + 1), stop, logger, "ppo")
         skip = 0
-        if step >= ppo_steps:
+        if step >= prompts.steps:
             break
         ckpt.save(step, state(epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
     bar.close()
     if last_eval_step != step:
-        last = full_eval(step, True)
+        last = judge.evaluate(step, True, prompts.steps)
 
     # -------------------------------------------------------------------------------- save
+    return _finish(cfg, roles, judge, ema, step, first, last, last_kl, fingerprints, logger)
+
+
+def _prompt_batches(prompts: Prompts, epoch: int, start_epoch: int, skip: int, resumed: dict | None):
+    """The epoch's prompt batches with their index, after the first ``skip`` (consumed before the
+    checkpoint a run resumed from), with the RNG restored where the checkpoint saved it: at the epoch
+    boundary before the loader draws its seed, mid-epoch after it."""
+    prompts.sampler.set_epoch(epoch)
+    restore = resumed is not None and epoch == start_epoch
+    if restore and skip == 0:
+        set_rng_state(resumed["rng"])
+    batches = iter(prompts.loader)
+    if restore and skip:
+        set_rng_state(resumed["rng"])
+    for index, batch in enumerate(batches):
+        if index >= skip:
+            yield index, batch
+
+
+def _finish(cfg: Config, roles: Roles, judge: Judge, ema, step: int, first: dict, last: dict, last_kl: float,
+            fingerprints: dict, logger) -> dict:
+    """Save the actor (the best-evaluated one as model/ where a rule judges), the critic and the EMA
+    actor, and the final figures: how far the weights moved, every warning."""
+    rank, run_dir = dist.get_rank(), Path(cfg.run_dir)
     # How far the weights moved, as |change| of (sum, sum of squares): 0 for the frozen reference.
     moved = {f"{role}_weight_change": max(abs(a - b) for a, b in zip(param_fingerprint(eng), fingerprints[role],
                                                                         strict=True))
-             for role, eng in (("actor", actor), ("reference", ref))}
-
+             for role, eng in (("actor", roles.actor), ("reference", roles.ref))}
     if note := unjudged_note(first, last, last_kl):
-        warnings.append(note)
+        judge.warnings.append(note)
         if rank == 0:
             say(f"[ppo] NOTE {note}")
 
     def save_more(final: dict) -> None:
-        if critic is not None:
-            save_hf_model(critic, tokenizer, run_dir / "critic")
+        if roles.critic is not None:
+            save_hf_model(roles.critic, roles.tokenizer, run_dir / "critic")
         if ema is not None and rank == 0:
-            _ema_save(ema, actor, tokenizer, run_dir / "model_ema")
+            _ema_save(ema, roles.actor, roles.tokenizer, run_dir / "model_ema")
             final["ema_dir"] = str(run_dir / "model_ema")
-        if keep_best and best and rank == 0:
-            _keep_best(run_dir, best, step, last, final, warnings, actor_path)
+        if judge.keeps_best and judge.best and rank == 0:
+            _keep_best(run_dir, judge.best, step, last, final, judge.warnings, roles.actor_path)
 
     # The list itself goes into the final figures: what _keep_best adds still lands there.
-    return finish(cfg, actor, tokenizer, rank, step, first, {**last, **moved, "warnings": warnings}, logger, save_more)
+    return finish(cfg, roles.actor, roles.tokenizer, rank, step, first, {**last, **moved, "warnings": judge.warnings},
+                  logger, save_more)
 
 
 def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, warnings: list[str],
