@@ -1,0 +1,162 @@
+"""Composition: the schemas registered in Hydra's ConfigStore, the resolvers, composing overrides as
+launch.py does, and turning the composed DictConfig into the typed schema with its checks.
+
+    python -c "from rlhf.config import compose_config"   # used through rlhf.config; no command of its own
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf.config.checks import PROJECT_ROOT
+from rlhf.config.groups import DataConfig, HardwareConfig, ModelConfig, ZeroConfig
+from rlhf.config.run import Config
+from rlhf.config.steps import STEP_SCHEMAS
+from rlhf.errors import ConfigError
+
+
+def register_configs() -> None:
+    """Put the schemas where the YAML files' defaults lists find them.
+
+    Group files start with ``defaults: [schema, _self_]`` (step files: ``/step/schema_<name>@step``)
+    so that Hydra merges them onto the dataclass and rejects unknown keys and wrong types.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="hardware", name="schema", node=HardwareConfig)
+    cs.store(group="zero", name="schema", node=ZeroConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    for name, schema in STEP_SCHEMAS.items():
+        cs.store(group="step", name=f"schema_{name}", node=schema)
+
+
+# Config groups whose option names are numbers. Hydra parses `zero=3` as the integer 3 and then
+# refuses it as a group choice ("must be a string"), so such overrides are quoted before Hydra
+# sees them: `zero=3` -> `zero='3'`, `zero=2,3` (a sweep) -> `zero='2','3'`.
+NUMERIC_GROUPS = ("zero",)
+_NUMERIC_GROUP_OVERRIDE = re.compile(rf"^({'|'.join(NUMERIC_GROUPS)})=([0-9]+(?:,[0-9]+)*)$")
+
+
+def quote_numeric_groups(args: list[str]) -> list[str]:
+    out = []
+    for arg in args:
+        m = _NUMERIC_GROUP_OVERRIDE.match(arg)
+        out.append(f"{m.group(1)}=" + ",".join(f"'{v}'" for v in m.group(2).split(",")) if m else arg)
+    return out
+
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("project_root"):
+        # Shipped data and caches are addressed from the checkout, whatever the working directory.
+        OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+    if not OmegaConf.has_resolver("or_else"):
+        # hydra.run.dir follows run_dir when the user sets it: Hydra's own files (.hydra/) then land
+        # in the run directory instead of a second, timestamped folder under runs/.
+        OmegaConf.register_new_resolver("or_else", lambda value, default: value or default)
+
+
+_register_resolvers()
+
+
+def _unknown_keys(node: DictConfig, prefix: str = ""):
+    """Keys of typed nodes that their schema does not have: `+step.max_step=3` (Hydra's own hint for a
+    misspelled key) adds one, and it would otherwise be ignored without a word."""
+    import dataclasses
+
+    kind = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(kind):
+        return
+    names = [f.name for f in dataclasses.fields(kind)]
+    for key in node.keys():
+        if key not in names:
+            yield f"{prefix}{key}", [f"{prefix}{n}" for n in names]
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            yield from _unknown_keys(child, f"{prefix}{key}.")
+
+
+def _not_a_key(key: str, known: list[str]) -> ConfigError:
+    """The one-line refusal of a key the config lacks, naming the nearest known key."""
+    import difflib
+
+    near = difflib.get_close_matches(key, known, n=1)
+    return ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
+                                                              "; `python launch.py --cfg job` shows them all"))
+
+
+def to_schema(cfg: DictConfig) -> Config:
+    """Resolve and instantiate the composed config, running every ``__post_init__`` check."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    for key, known in _unknown_keys(cfg):
+        raise _not_a_key(key, known)
+
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        # OmegaConf wraps our ConfigError raised inside __post_init__; unwrap it for a clean message.
+        cause = err.__cause__ or err.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(str(err).splitlines()[0]) from None
+    return obj
+
+
+def load_run_config(path: str | Path) -> Config:
+    """Read a run directory's resolved config.yaml back into the schema (used by every rank)."""
+    loaded = OmegaConf.load(path)
+    name = loaded.get("step", {}).get("name")
+    if name not in STEP_SCHEMAS:
+        raise ConfigError(f"{path}: step.name={name!r} is not one of {', '.join(STEP_SCHEMAS)}")
+    base = OmegaConf.structured(Config)
+    base.step = OmegaConf.structured(STEP_SCHEMAS[name])
+    return to_schema(OmegaConf.merge(base, loaded))
+
+
+register_configs()  # importing the schemas makes them composable, by @hydra.main and compose alike
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse an override of a key the config lacks, naming the nearest known key (ConfigError).
+
+    Hydra refuses ``optim.lrr=1e-4`` itself, with a multi-line message, exit code 1 and the advice
+    to add the key with ``+`` (which to_schema then refuses); this composes first and says it in
+    one line. Other composition errors are left to Hydra's own message."""
+    from hydra.errors import ConfigCompositionException
+
+    try:
+        compose_config(overrides)
+    except ConfigCompositionException as err:
+        found = re.search(r"Could not override '([^']+)'", str(err))
+        if not found:
+            return
+        key = found.group(1)
+        parent, _, _ = key.rpartition(".")
+        rest = [o for o in overrides if not o.split("=", 1)[0].lstrip("~+") == key]
+        try:
+            node = compose_config(rest)
+            node = OmegaConf.select(node, parent) if parent else node
+        except ConfigCompositionException:
+            node = None
+        known = [f"{parent}.{k}" if parent else str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        raise _not_a_key(key, known) from None
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config `python launch.py <overrides>` composes, inside a running Hydra app or outside.
+
+    The one place overrides are composed besides @hydra.main (launch.py quotes the same way)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = quote_numeric_groups(overrides)
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="config", overrides=overrides)
+    with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=overrides)

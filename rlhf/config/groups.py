@@ -1,0 +1,368 @@
+"""The config groups' schemas: model, hardware, ZeRO, optimizer, LoRA, data, roles, launch, logging,
+checkpoints -- one dataclass per group, with its checks in ``__post_init__``.
+
+    python -c "from rlhf.config import HardwareConfig"   # used through rlhf.config; no command of its own
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from rlhf.config.checks import PROJECT_ROOT, _choice, _positive
+from rlhf.errors import ConfigError
+
+# --------------------------------------------------------------------------------------- model
+MODEL_FAMILIES = ("opt", "llama", "bloom", "gpt_neox", "gpt2")
+
+
+@dataclass
+class ModelConfig:
+    # Short name used in run-directory names and tables.
+    name: str = MISSING
+    # Hub id or local folder handed to from_pretrained; empty for a random model (cache folder).
+    path: str = ""
+    # Architecture family; picks the transformers config class for random models.
+    family: str = "llama"
+    # Build a random model (and a tokenizer trained on the shipped data) instead of downloading.
+    random_init: bool = False
+    # Architecture numbers: they size random models and let memory be estimated offline.
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 4
+    ffn_size: int = 512
+    vocab_size: int = 512
+    max_positions: int = 256
+    # Seed of the random weights and of nothing else (the run seed drives training).
+    init_seed: int = 0
+    # Execute model code shipped with a hub checkpoint; off unless you trust the repository.
+    trust_remote_code: bool = False
+    # Override every dropout probability in the model config; null keeps the checkpoint's own.
+    dropout: float | None = None
+
+    def __post_init__(self) -> None:
+        _choice("model.family", self.family, MODEL_FAMILIES)
+        if not self.random_init and not self.path:
+            raise ConfigError(f"model.path is empty for model {self.name!r}: give a hub id or a "
+                              "local folder, or set model.random_init=true")
+        for key in ("num_layers", "hidden_size", "num_heads", "ffn_size", "vocab_size", "max_positions"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                              f"model.num_heads={self.num_heads}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+# ------------------------------------------------------------------------------------ hardware
+@dataclass
+class HardwareConfig:
+    # Preset name, shown in dry-runs and tables.
+    name: str = MISSING
+    # Device kind of one rank.
+    accelerator: str = "cpu"
+    # Machines taking part in the run.
+    nodes: int = 1
+    # Ranks per machine (GPUs, or CPU processes on the cpu preset).
+    devices_per_node: int = 1
+    # Memory of one device in GiB, for the memory pre-flight.
+    memory_per_device_gb: float = 16.0
+    # Training precision; fp32 is the only one CPU kernels run everywhere.
+    precision: str = "fp32"
+    # torch intra-op threads per rank; 0 keeps torch's default. On a loaded 2-core machine
+    # 2 threads ran 11x slower than 1, so the cpu preset pins 1.
+    torch_threads: int = 1
+    # Collective backend: gloo on CPU, nccl on NVIDIA GPUs.
+    dist_backend: str = "gloo"
+    # For the time and cost forecast (rlhf/forecast.py), datasheet figures of one device: dense
+    # matrix-product peak at hardware.precision in TFLOP/s (0 on CPU: measured at start-up), memory
+    # bandwidth in GB/s, collective bandwidth to the other devices of its node per direction in GB/s,
+    # and the network bandwidth of a whole node in GB/s.
+    peak_tflops: float = 0.0
+    memory_bandwidth_gbs: float = 0.0
+    intra_node_gbs: float = 0.0
+    inter_node_gbs: float = 0.0
+    # Price of one device-hour in USD; 0: the forecast gives time only.
+    price_per_device_hour: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def __post_init__(self) -> None:
+        _choice("hardware.accelerator", self.accelerator, ("cpu", "cuda"))
+        _choice("hardware.precision", self.precision, ("fp32", "fp16", "bf16"))
+        _choice("hardware.dist_backend", self.dist_backend, ("gloo", "nccl"))
+        _positive("hardware.nodes", self.nodes)
+        _positive("hardware.devices_per_node", self.devices_per_node)
+        _positive("hardware.memory_per_device_gb", self.memory_per_device_gb)
+        _positive("hardware.torch_threads", self.torch_threads, allow_zero=True)
+        for key in ("peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "price_per_device_hour"):
+            _positive(f"hardware.{key}", getattr(self, key), allow_zero=True)
+        if self.accelerator == "cpu" and self.precision == "fp16":
+            raise ConfigError("hardware.precision=fp16 is not supported on hardware.accelerator=cpu "
+                              "(DeepSpeed's CPU accelerator has no fp16 kernels); use fp32 or bf16")
+
+
+# ---------------------------------------------------------------------------------------- zero
+@dataclass
+class OffloadConfig:
+    # Where the state lives between uses: none, cpu or nvme.
+    device: str = "none"
+    # Page-locked host memory: faster copies, but it is taken from the host for the whole run.
+    pin_memory: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    # ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters partitioned.
+    stage: int = 0
+    # Optimizer-state offload (stage >= 1); moves the optimizer to DeepSpeedCPUAdam.
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    # Parameter offload (stage 3 only).
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    # Overlap gradient reduction with the backward pass.
+    overlap_comm: bool = False
+    # Copy gradients into one contiguous buffer to avoid fragmentation.
+    contiguous_gradients: bool = True
+    # Elements per gradient-reduction bucket.
+    reduce_bucket_size: int = 500_000_000
+    # Stage 3: parameters below this many elements stay unpartitioned.
+    stage3_param_persistence_threshold: int = 10_000
+    # Stage 3: elements prefetched ahead of use.
+    stage3_prefetch_bucket_size: int = 30_000_000
+    # Stage 3: most parameters held gathered at once, per rank.
+    stage3_max_live_parameters: int = 30_000_000
+    # Stage 3: DeepSpeed's memory-efficient linear (its default, on). It replaces
+    # torch.nn.functional.linear for the whole process with an autograd Function whose saved weight
+    # does not keep the gathered copy alive, so each layer's weights are freed after its forward;
+    # off, every linear holds its gathered weight until the backward (the whole model's weights at
+    # once: small models only). Its per-call overhead cost ZeRO-3 rollouts ~25% per token on 2 CPU
+    # ranks, so rollouts gathered whole use torch's own linear either way (rlhf.rollout).
+    memory_efficient_linear: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("zero.stage", self.stage, (0, 1, 2, 3))
+        _choice("zero.offload_optimizer.device", self.offload_optimizer.device, ("none", "cpu", "nvme"))
+        _choice("zero.offload_param.device", self.offload_param.device, ("none", "cpu", "nvme"))
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ConfigError("zero.offload_optimizer needs zero.stage >= 1 (it offloads ZeRO-partitioned state)")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ConfigError("zero.offload_param needs zero.stage=3 (only stage 3 partitions parameters)")
+
+
+# --------------------------------------------------------------------------------------- optim
+@dataclass
+class OptimConfig:
+    # Peak learning rate.
+    lr: float = 1e-3
+    # Decoupled weight decay (AdamW); biases and norm weights are never decayed.
+    weight_decay: float = 0.0
+    # Adam betas.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Adam epsilon.
+    eps: float = 1e-8
+    # Learning-rate schedule after warmup: cosine, linear or constant.
+    scheduler: str = "cosine"
+    # Linear warmup, in optimizer steps.
+    warmup_steps: int = 0
+    # Clip the global gradient norm to this value; 0 turns clipping off.
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _choice("optim.scheduler", self.scheduler, ("cosine", "linear", "constant"))
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
+
+
+# ---------------------------------------------------------------------------------------- lora
+@dataclass
+class LoraConfig:
+    # LoRA rank; 0 trains the full model.
+    rank: int = 0
+    # LoRA scaling numerator (the update is scaled by alpha / rank).
+    alpha: float = 16.0
+    # Dropout on the LoRA branch input.
+    dropout: float = 0.0
+    # Modules that get adapters: names or suffixes, or ["all-linear"] (PEFT's every linear but the head).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # Train only the adapters (DeepSpeed-Chat's --only_optimize_lora); false also trains the base.
+    only_optimize_lora: bool = True
+    # Learning rate of the adapters; null uses optim.lr. DeepSpeed-Chat uses a separate, higher one.
+    lr: float | None = None
+    # Merge adapters into the base weights when saving, so the output is a plain HF model.
+    merge_on_save: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("lora.rank", self.rank, allow_zero=True)
+        _positive("lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if self.rank and not self.target_modules:
+            raise ConfigError("lora.target_modules is empty while lora.rank > 0")
+        if self.lr is not None:
+            _positive("lora.lr", self.lr)
+
+
+# ---------------------------------------------------------------------------------------- data
+@dataclass
+class SourceConfig:
+    # Local folder or json/jsonl/parquet file (loaded with datasets.load_dataset), or a hub id.
+    path: str = MISSING
+    # Relative sampling weight of this source in the blend.
+    weight: float = 1.0
+    # Split of the source used for training, and the one used for evaluation.
+    train_split: str = "train"
+    eval_split: str = "eval"
+    # Row adapter from rlhf.data.adapters.ADAPTERS (DeepSpeed-Chat's datasets by hub id); empty: chosen
+    # by the path when it is a known hub id.
+    adapter: str = ""
+    # Column mapping for other tables: {prompt: <column>, chosen: <column>, rejected: <column>}.
+    columns: dict[str, str] = field(default_factory=dict)
+
+
+def looks_local(path: str) -> bool:
+    """Paths we must find on disk; anything else ("org/name") is handed to the hub as an id."""
+    return (path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+            or bool(re.search(r"\.(json|jsonl|parquet|csv)$", path)))
+
+
+@dataclass
+class DataConfig:
+    # Blend name, shown in run directories and tables.
+    name: str = MISSING
+    # Sources of the blend, each with a weight.
+    sources: list[SourceConfig] = field(default_factory=list)
+    # DeepSpeed-Chat's per-step split of each source's train rows: SFT, reward, PPO parts.
+    split: str = "2,4,4"
+    # Seed of the split and of blend sampling (kept apart from the run seed so that runs with
+    # different training seeds see the same data).
+    seed: int = 1234
+    # Cap on training rows after blending; -1 keeps all.
+    max_train_samples: int = -1
+    # Cap on evaluation rows; -1 keeps all.
+    max_eval_samples: int = 512
+    # Rows that cannot be used (empty, too long, chosen == rejected): drop (or skip: the same) and count
+    # them in data_report.json, or error naming the source, row and column.
+    on_bad_row: str = "drop"
+    # Unsupervised text for PPO's ptx loss (a "text" column, or columns: {text: <column>}); empty: the
+    # blend's SFT part (prompt + chosen).
+    ptx_sources: list[SourceConfig] = field(default_factory=list)
+    # PPO prompts longer than step.max_prompt_len: drop and count (DeepSpeed-Chat's rule), or keep their
+    # last tokens (truncate_left: the end of a conversation matters most).
+    long_prompts: str = "drop"
+    # The task's rule, scoring (prompt, answer) -> float: held-out accuracy of SFT and PPO, the truth
+    # PPO's rollouts are checked against, and PPO's reward with step.reward_fn=rule. A name from
+    # rlhf.rewards.REWARD_FNS or your own 'package.module:function'; null: the shipped tasks' rule
+    # where it parses every prompt, else none.
+    rule: str | None = None
+
+    @property
+    def split_fractions(self) -> list[float]:
+        parts = [float(x) for x in self.split.split(",")]
+        return [p / sum(parts) for p in parts]
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ConfigError(f"data.sources is empty in blend {self.name!r}")
+        from rlhf.data.adapters import ADAPTERS
+
+        for i, src in enumerate(self.sources):
+            _positive(f"data.sources[{i}].weight", src.weight)
+            if src.adapter:
+                _choice(f"data.sources[{i}].adapter", src.adapter, tuple(ADAPTERS))
+            if src.columns and not {"prompt", "chosen"} <= set(src.columns) <= {"prompt", "chosen", "rejected"}:
+                raise ConfigError(f"data.sources[{i}].columns={dict(src.columns)} must map prompt and chosen "
+                                  "(and optionally rejected) to the table's column names")
+            path = os.path.expanduser(src.path)
+            if looks_local(src.path) and not os.path.exists(path):
+                raise ConfigError(f"data.sources[{i}].path={src.path!r} does not exist")
+        if self.rule:
+            from rlhf.rewards import resolve
+
+            resolve(self.rule, "data.rule")  # a bad reference fails now, naming what could not be imported
+        for i, src in enumerate(self.ptx_sources):
+            if looks_local(src.path) and not os.path.exists(os.path.expanduser(src.path)):
+                raise ConfigError(f"data.ptx_sources[{i}].path={src.path!r} does not exist")
+        try:
+            parts = [float(x) for x in self.split.split(",")]
+        except ValueError:
+            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers like '2,4,4'") from None
+        if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+            raise ConfigError(f"data.split={self.split!r} must be three non-negative numbers (SFT, reward, "
+                              "PPO) with a positive sum")
+        _choice("data.on_bad_row", self.on_bad_row, ("drop", "skip", "error"))
+        _choice("data.long_prompts", self.long_prompts, ("drop", "truncate_left"))
+
+
+# ------------------------------------------------------------------------------------- roles
+@dataclass
+class RoleConfig:
+    # Checkpoint folder or hub id this role starts from; empty: the chain's output, else the model group.
+    path: str = ""
+    # A conf/model file describing this role's architecture, for the memory pre-flight (e.g. opt-350m
+    # for DeepSpeed-Chat's critic); empty: the same as the model group.
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model and not (PROJECT_ROOT / "conf" / "model" / f"{self.model}.yaml").exists():
+            options = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "model").glob("*.yaml"))
+            raise ConfigError(f"<role>.model={self.model!r} (actor, critic or reward) is not a file in conf/model; choose one of "
+                              f"{', '.join(options)}")
+
+
+# --------------------------------------------------------------------------- launch & logging
+@dataclass
+class LaunchConfig:
+    # Print the DeepSpeed config, batch arithmetic, launch command and memory table; train nothing.
+    dry_run: bool = False
+    # Run even when the memory pre-flight says the run does not fit.
+    force: bool = False
+    # DeepSpeed hostfile ("host slots=N" per line); needed for more than one node.
+    hostfile: str = ""
+    # Address and port of rank 0 for multi-node runs; empty address: the launcher's default.
+    master_addr: str = ""
+    master_port: int = 29500
+    # Train rows of the data blend for the time forecast where the data is on a hub (local files are
+    # counted); 0: unknown, the forecast is per step.
+    forecast_rows: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("launch.forecast_rows", self.forecast_rows, allow_zero=True)
+        if self.hostfile and not os.path.exists(os.path.expanduser(self.hostfile)):
+            raise ConfigError(f"launch.hostfile={self.hostfile!r} does not exist")
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"launch.master_port={self.master_port} is not a port number")
+
+
+@dataclass
+class LoggingConfig:
+    # Show progress bars on rank 0.
+    progress_bar: bool = True
+    # Log to Weights & Biases as well as metrics.jsonl (offline unless WANDB_API_KEY is set).
+    wandb: bool = False
+    # Weights & Biases project.
+    wandb_project: str = "rlhf"
+    # Weights & Biases group: one per sweep, so its runs compare side by side; empty: none.
+    wandb_group: str = ""
+    # Also write TensorBoard event files into RUN_DIR/tensorboard.
+    tensorboard: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every this many optimizer steps (PPO: PPO steps), and always at the end of each epoch; 0: epochs only.
+    every_steps: int = 0
+    # Checkpoints kept (the newest).
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        _positive("checkpoint.keep_last", self.keep_last)

@@ -1,0 +1,243 @@
+"""The whole run's schema (Config), the chain's (PipelineConfig with its per-step deltas), and the
+checks that need more than one group.
+
+    python -c "from rlhf.config import Config"   # used through rlhf.config; no command of its own
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+
+from rlhf.config.checks import PROJECT_ROOT, _choice, _positive
+from rlhf.config.groups import (
+    CheckpointConfig,
+    DataConfig,
+    HardwareConfig,
+    LaunchConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    RoleConfig,
+    ZeroConfig,
+    looks_local,
+)
+from rlhf.config.steps import (
+    STEP_SCHEMAS,
+    STEPS,
+    DPOStepConfig,
+    PPOStepConfig,
+    RewardStepConfig,
+    Role,
+    SFTStepConfig,
+    SimPOStepConfig,
+)
+from rlhf.errors import ConfigError
+
+
+# ------------------------------------------------------------------------------------ chains
+def _delta_of(cls: type, name: str) -> type:
+    """A dataclass shaped like ``cls`` whose every leaf is optional and None: a typed delta.
+
+    A chain's per-step deltas are of this type, so `pipeline.ppo.step.epochs=1` on the command line
+    is checked (an unknown key or a wrong type fails while composing) and needs no `+`, and an
+    unset key stays None and changes nothing."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    fields_ = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            sub = _delta_of(kind, f"{name}_{f.name}")
+            fields_.append((f.name, sub, field(default_factory=sub)))
+        else:
+            fields_.append((f.name, typing.Optional[kind], None))  # noqa: UP045 - a runtime type, not an annotation
+    return dataclasses.make_dataclass(name, fields_)
+
+
+def _step_delta(step_schema: type) -> type:
+    """Delta of everything a step of a chain may set differently from the others."""
+    import dataclasses
+
+    sections = {"model": ModelConfig, "zero": ZeroConfig, "step": step_schema, "data": DataConfig,
+                "optim": OptimConfig, "lora": LoraConfig, "actor": RoleConfig, "critic": RoleConfig,
+                "reward": RoleConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+    name = f"{step_schema.__name__}Delta"
+    deltas = {k: _delta_of(v, f"{name}_{k}") for k, v in sections.items()}
+    fields_ = [(k, d, field(default_factory=d)) for k, d in deltas.items()]
+    fields_.append(("seed", int | None, None))
+    return dataclasses.make_dataclass(name, fields_)
+
+
+SFTDelta = _step_delta(SFTStepConfig)
+RewardDelta = _step_delta(RewardStepConfig)
+PPODelta = _step_delta(PPOStepConfig)
+DPODelta = _step_delta(DPOStepConfig)
+SimPODelta = _step_delta(SimPOStepConfig)
+
+
+@dataclass
+class PipelineConfig:
+    # Steps run in order, each step's output feeding the next; empty: run the one step in `step`.
+    steps: list[str] = field(default_factory=list)
+    # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
+    # (DeepSpeed-Chat's: a separate, smaller base model).
+    reward_from_sft: bool = False
+    # Refuse PPO when the reward model's held-out pairwise accuracy is below this (0: never): PPO
+    # finds and exploits the mistakes of a weak reward model.
+    reward_min_accuracy: float = 0.0
+    # Refuse PPO when the SFT policy's held-out accuracy by the rule is below this (0: never): PPO can
+    # only reinforce right answers it samples.
+    min_policy_accuracy: float = 0.0
+    # Refuse the step after SFT when SFT ended with its held-out loss still falling by more than this
+    # fraction over its last evaluation interval (0: never): it stopped before it was ready.
+    sft_loss_still_falling: float = 0.0
+    # What a step that cannot work gets: stop (the chain ends before it, exit code 2, one line naming
+    # the figure, the reason and the override) or warn (say so and run it anyway).
+    on_weak_step: str = "stop"
+    # Per step, the files of conf/stage/ composed over that step's config, in order (each a
+    # `# @package _global_` delta: shared constants first, then what depends on size and hardware).
+    stages: dict[str, list[str]] = field(default_factory=dict)
+    # Per-step deltas applied last, for one step only: `pipeline.ppo.step.epochs=1` on the command line.
+    sft: SFTDelta = field(default_factory=SFTDelta)
+    reward: RewardDelta = field(default_factory=RewardDelta)
+    ppo: PPODelta = field(default_factory=PPODelta)
+    dpo: DPODelta = field(default_factory=DPODelta)
+    simpo: SimPODelta = field(default_factory=SimPODelta)
+
+    def __post_init__(self) -> None:
+        _choice("pipeline.on_weak_step", self.on_weak_step, ("stop", "warn"))
+        for key in ("reward_min_accuracy", "min_policy_accuracy", "sft_loss_still_falling"):
+            _positive(f"pipeline.{key}", getattr(self, key), allow_zero=True)
+        for name in self.steps:
+            _choice("pipeline.steps[]", name, tuple(STEP_SCHEMAS))
+        for name, files in self.stages.items():
+            _choice("pipeline.stages key", name, tuple(STEP_SCHEMAS))
+            for f in files:
+                if not (PROJECT_ROOT / "conf" / "stage" / f"{f}.yaml").exists():
+                    raise ConfigError(f"pipeline.stages.{name}: conf/stage/{f}.yaml does not exist")
+
+
+# ------------------------------------------------------------------------------------ the run
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    zero: ZeroConfig = MISSING
+    step: Any = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # PPO roles: actor (and its frozen reference) from SFT, critic (and frozen reward) from the reward model.
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    # The reward model; empty: critic.path.
+    reward: RoleConfig = field(default_factory=RoleConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # auto: continue from the run directory's latest checkpoint (a finished run does nothing); never: start over.
+    resume: str = "auto"
+    # Seed of model-independent randomness in training (sampling order, dropout).
+    seed: int = 42
+    # Where this run writes everything; launch.py fills in Hydra's output directory when empty.
+    run_dir: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.world_size
+
+    def __post_init__(self) -> None:
+        _choice("resume", self.resume, ("auto", "never"))
+        if self.step.name not in STEP_SCHEMAS:
+            raise ConfigError(f"step.name={self.step.name!r} is not allowed; choose one of "
+                              f"{', '.join(STEP_SCHEMAS)}")
+        # The batch arithmetic, derived once here: every later reader sees one consistent pair.
+        per_step = self.step.micro_batch_size_per_device * self.world_size
+        if self.step.global_batch_size is not None:
+            if self.step.global_batch_size % per_step:
+                raise ConfigError(
+                    f"step.global_batch_size={self.step.global_batch_size} is not divisible by "
+                    f"step.micro_batch_size_per_device ({self.step.micro_batch_size_per_device}) x world size "
+                    f"({self.world_size} = hardware.nodes x hardware.devices_per_node)")
+            self.step.gradient_accumulation_steps = self.step.global_batch_size // per_step
+        self.step.global_batch_size = per_step * self.step.gradient_accumulation_steps
+        if self.model.random_init and self.step.max_seq_len > self.model.max_positions:
+            raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
+                              f"{self.model.max_positions}")
+        if self.step.name == "ppo" and self.model.random_init and \
+                self.step.max_prompt_len + self.step.max_new_tokens > self.model.max_positions:
+            raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = "
+                              f"{self.step.max_prompt_len + self.step.max_new_tokens} exceeds model.max_positions="
+                              f"{self.model.max_positions}")
+
+
+def ppo_updates_per_step(cfg: Config) -> int:
+    """Optimizer steps per PPO step on each rank: every rollout is used ppo_epochs times, micro x
+    accumulation rollouts per optimizer step."""
+    step = cfg.step
+    return step.ppo_epochs * step.rollout_batch_size_per_device // (step.micro_batch_size_per_device *
+                                                                    cfg.step.gradient_accumulation_steps)
+
+
+def ppo_role_problems(cfg: Config) -> list[str]:
+    """What makes a PPO config unrunnable before any model loads: a missing reward model, or roles
+    whose architecture files (the memory pre-flight's sizes) say they use another tokenizer than
+    the actor. Used by the dry-run, the launcher and the runner alike."""
+    if cfg.step.name != "ppo":
+        return []
+    problems = []
+    if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
+        problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
+                        "output), or use step.reward_fn=rule step.reward_model_weight=0")
+    actor = cfg.model
+    for role in ("critic", "reward"):
+        name = getattr(cfg, role).model
+        if not name or (role == "reward" and cfg.step.reward_model_weight == 0):
+            continue
+        other = load_model_file(name)
+        if (other.family, other.vocab_size) != (actor.family, actor.vocab_size):
+            problems.append(f"{role}.model={name} ({other.family}, vocabulary {other.vocab_size}) does not share the "
+                            f"actor's tokenizer (model={actor.name}: {actor.family}, vocabulary {actor.vocab_size}); "
+                            "PPO feeds the actor's token ids to the critic and reward model")
+    return problems
+
+
+def missing_paths(cfg: Config, will_exist: tuple[str, ...] = ()) -> list[str]:
+    """Model folders the run would load that are not there (and that no earlier step of a chain
+    will write): refused before anything loads, instead of a hub error about repo ids."""
+    problems = []
+    for key, path in (("model.path", cfg.model.path), ("actor.path", cfg.actor.path),
+                      ("critic.path", cfg.critic.path), ("reward.path", cfg.reward.path)):
+        if path and looks_local(path) and not os.path.exists(os.path.expanduser(path)) and path not in will_exist:
+            problems.append(f"{key}={path!r} does not exist (a path starting with /, ./, ../ or ~ is a local "
+                            "folder; a hub id looks like org/name)")
+    return problems
+
+
+def load_model_file(name: str) -> ModelConfig:
+    """A conf/model file as a ModelConfig (architecture numbers for sizing or checking another role)."""
+    node = OmegaConf.load(PROJECT_ROOT / "conf" / "model" / f"{name}.yaml")
+    node.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+
+
+def step_roles(cfg: Config) -> list[Role]:
+    """The models this run of the step really builds: PPO without a reward-model weight builds no reward
+    model, and with a critic-free advantage estimator no critic."""
+    roles = list(STEPS[cfg.step.name].roles)
+    if cfg.step.name == "ppo":
+        from rlhf.losses import ESTIMATORS
+
+        if cfg.step.reward_model_weight == 0:
+            roles = [r for r in roles if r.name != "reward"]
+        if not ESTIMATORS[cfg.step.advantage_estimator].needs_critic:
+            roles = [r for r in roles if r.name != "critic"]
+    return roles

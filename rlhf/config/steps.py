@@ -1,0 +1,381 @@
+"""The steps' schemas and the step registry (STEPS: schema, title, split part, rows, roles): adding a
+step is one schema here, one STEPS entry and one runner in rlhf.runners.RUNNERS.
+
+    python -c "from rlhf.config import STEPS"   # used through rlhf.config; no command of its own
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from rlhf.config.checks import _choice, _positive
+from rlhf.errors import ConfigError
+
+
+# ---------------------------------------------------------------------------------------- step
+@dataclass
+class StepConfig:
+    """Fields every step has; each step's schema extends it."""
+
+    # Which runner executes the step (registry key in rlhf.runners).
+    name: str = MISSING
+    # Passes over the step's training rows.
+    epochs: int = 1
+    # Stop after this many optimizer steps; -1 runs all epochs.
+    max_steps: int = -1
+    # Rows per forward pass on one device.
+    micro_batch_size_per_device: int = 8
+    # Micro batches accumulated per optimizer step (derived from global_batch_size when that is set).
+    gradient_accumulation_steps: int = 1
+    # Rows per optimizer step over all ranks; when set, accumulation is derived from it. Either way the
+    # validated config holds both, consistent: micro x accumulation x world size = global batch.
+    global_batch_size: int | None = None
+    # Rows per forward pass on one device during evaluation.
+    eval_micro_batch_size_per_device: int = 32
+    # Longest prompt + answer in tokens; longer rows are handled by data.on_bad_row.
+    max_seq_len: int = 128
+    # Log a metrics line every this many optimizer steps.
+    log_every_steps: int = 10
+    # Evaluate every this many optimizer steps as well as before training and after each epoch; 0: only those.
+    eval_every_steps: int = 0
+    # Recompute activations in the backward pass: less memory, about a third more compute.
+    gradient_checkpointing: bool = False
+    # Write the final model into the run directory.
+    save_model: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "micro_batch_size_per_device", "gradient_accumulation_steps",
+                    "eval_micro_batch_size_per_device", "max_seq_len", "log_every_steps"):
+            _positive(f"step.{key}", getattr(self, key))
+        _positive("step.eval_every_steps", self.eval_every_steps, allow_zero=True)
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"step.max_steps={self.max_steps} must be -1 (all epochs) or positive")
+        if self.global_batch_size is not None:
+            _positive("step.global_batch_size", self.global_batch_size)
+
+
+@dataclass
+class GreedyEvalStepConfig(StepConfig):
+    """A step whose policy is also judged by greedy answers to held-out prompts (SFT, DPO)."""
+
+    # Held-out prompts answered greedily and scored by the data's rule (data.rule, or the shipped
+    # tasks' rule on their prompts), per half: a stop rule reads the first half of the distinct eval
+    # prompts at each eval (select/accuracy), the reported figure comes from the second, before
+    # training and of the output (eval/accuracy); 0: off.
+    eval_accuracy_prompts: int = 0
+    # Longest greedy answer in that check, in tokens.
+    max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
+        _positive("step.max_new_tokens", self.max_new_tokens)
+
+
+@dataclass
+class SFTStepConfig(GreedyEvalStepConfig):
+    name: str = "sft"
+    # Tokens that carry the loss: the answer only (DeepSpeed-Chat masks nothing), or all tokens.
+    loss_on: str = "answer"
+    # Stop training once that held-out accuracy reaches this (seeds vary a lot at a fixed step count,
+    # so an SFT start for PPO is better chosen by accuracy); null: never.
+    stop_at_accuracy: float | None = None
+    # Stop once the held-out loss has not improved on its best for this many evaluations in a row
+    # (it has stopped learning); 0: never.
+    early_stop_patience: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.loss_on", self.loss_on, ("answer", "all"))
+        _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
+        if self.early_stop_patience and self.eval_every_steps == 0 and self.epochs == 1:
+            raise ConfigError("step.early_stop_patience needs evaluations to compare: step.eval_every_steps > 0 "
+                              "or step.epochs > 1 (every epoch ends with one)")
+        if self.stop_at_accuracy is not None and (self.eval_accuracy_prompts == 0 or self.eval_every_steps == 0):
+            raise ConfigError("step.stop_at_accuracy needs step.eval_accuracy_prompts > 0 and step.eval_every_steps > 0")
+
+
+@dataclass
+class RewardStepConfig(StepConfig):
+    name: str = "reward"
+    # Where a sequence's score is read: the last real token (eos; default), or DeepSpeed-Chat's
+    # mean over the tokens from where chosen and rejected first differ.
+    score_at: str = "last"
+    # Coefficient of mean(chosen^2 + rejected^2): keeps scores near zero (unregularized they drift to
+    # about +10/-5, and PPO's reward clipping at +-5 then erases the signal); 0 turns it off.
+    score_regularizer: float = 0.0
+    # Rule check: on the shipped synthetic task, answers scored per eval prompt (the right one and
+    # near misses); with a user's data.rule, the eval pairs as that rule ranks them; 0 turns it off.
+    rule_check_answers: int = 6
+    # Stop once the held-out pairwise accuracy has not improved on its best for this many evaluations
+    # in a row; 0: never.
+    early_stop_patience: int = 0
+    # Output the reward model of the evaluation with the best held-out pairwise accuracy (the last one
+    # is kept in model_last/), not simply the last one.
+    keep_best: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.score_at", self.score_at, ("last", "divergence"))
+        _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
+        _positive("step.score_regularizer", self.score_regularizer, allow_zero=True)
+        _positive("step.rule_check_answers", self.rule_check_answers, allow_zero=True)
+
+
+@dataclass
+class DPOStepConfig(GreedyEvalStepConfig):
+    name: str = "dpo"
+    # Loss from rlhf.losses.DPO_LOSSES: sigmoid (DPO; the conservative variant with label_smoothing > 0),
+    # ipo, or robust (needs label_smoothing > 0).
+    loss: str = "sigmoid"
+    # Strength of the pull toward the reference: DPO's beta (IPO's tau). Higher stays closer.
+    beta: float = 0.1
+    # The probability that a pair's label is wrong (conservative and robust DPO); 0: plain DPO.
+    label_smoothing: float = 0.0
+    # Weight of the chosen answers' NLL added to the loss (RPO); 0: off. DPO alone lowers the chosen
+    # answers' likelihood too (only the margin is pushed) and greedy answers can get worse.
+    nll_coef: float = 0.0
+    # The reference's log-probs: precompute (one pass before training, then the reference model is
+    # freed: no second model during training) or online (the reference scores every batch).
+    reference_logprobs: str = "precompute"
+    # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
+    offload_reference: bool = False
+    # Train the policy without dropout, as the reference is scored: with dropout on, the policy's
+    # log-ratios are noisy and biased and the margin is not 0 at the start. false keeps model.dropout
+    # (the checkpoint's own where that is null) in the policy.
+    disable_dropout: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from rlhf.losses import DPO_LOSSES
+
+        _choice("step.loss", self.loss, tuple(DPO_LOSSES))
+        _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
+        _positive("step.beta", self.beta)
+        _positive("step.nll_coef", self.nll_coef, allow_zero=True)
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"step.label_smoothing={self.label_smoothing} must be in [0, 0.5): it is the "
+                              "probability that a pair's label is flipped")
+        if self.loss == "robust" and self.label_smoothing == 0:
+            raise ConfigError("step.loss=robust needs step.label_smoothing > 0 (at 0 it is plain DPO: step.loss=sigmoid)")
+
+
+@dataclass
+class SimPOStepConfig(GreedyEvalStepConfig):
+    name: str = "simpo"
+    # Scale of the implicit reward beta / |y| * log pi(y|x) (Meng et al. 2024 use 2.0-2.5).
+    beta: float = 2.0
+    # Target margin between the chosen and rejected rewards (the paper's gamma, 0.5-1.5).
+    gamma: float = 1.0
+    # Train without dropout (noisy log-probs bias the margin); false keeps model.dropout.
+    disable_dropout: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("step.beta", self.beta)
+        _positive("step.gamma", self.gamma, allow_zero=True)
+
+
+@dataclass
+class PPOStepConfig(StepConfig):
+    name: str = "ppo"
+    # Prompts each device generates answers for per PPO step (the rollout batch).
+    rollout_batch_size_per_device: int = 64
+    # Rollouts per generate call and per scoring forward (bounds the KV cache and the scoring logits); 0: the
+    # whole rollout batch at once.
+    generation_batch_size_per_device: int = 0
+    # Answers sampled per prompt (> 1 for group-normalized advantages).
+    samples_per_prompt: int = 1
+    # Passes of PPO updates over each rollout batch.
+    ppo_epochs: int = 1
+    # Longest prompt in tokens; longer prompts are dropped and counted.
+    max_prompt_len: int = 32
+    # Longest answer in tokens (generation stops at eos or here).
+    max_new_tokens: int = 8
+    # Shortest answer in tokens (eos is suppressed before it); 0: none. Benchmarks use it for fixed lengths.
+    min_new_tokens: int = 0
+    # Sample (true) or decode greedily (false) during rollouts.
+    do_sample: bool = True
+    # Sampling temperature; log-probs are computed on logits / temperature to match the sampler.
+    temperature: float = 0.7
+    # Where PPO's old log-probs (the ratio's denominator) come from: rollout, the logits that sampled
+    # each token; recompute, a forward of the actor over the finished sequences (DeepSpeed-Chat's way:
+    # one more forward per step; equal up to rounding, which differs in bf16/fp16 between the
+    # cached one-token forwards and the full one).
+    old_logprobs: str = "rollout"
+    # Nucleus sampling mass; 1.0 is off. PPO refuses other values when sampling (see __post_init__).
+    top_p: float = 1.0
+    # Top-k sampling; 0 is off. PPO refuses other values when sampling (see __post_init__).
+    top_k: int = 0
+    # How per-token losses become the step's loss (rlhf.losses.LOSS_AGGS: token_mean,
+    # seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm), over the whole optimizer step;
+    # null: the advantage estimator's paper's (rlhf.losses.ESTIMATORS).
+    loss_agg: str | None = None
+    # Answers cut at max_new_tokens without an eos: keep (train on them like any other), penalty (subtract
+    # truncated_penalty from their score) or mask (left out of the loss, DAPO's overlong filtering).
+    truncated_answers: str = "keep"
+    # What step.truncated_answers=penalty subtracts from a truncated answer's score.
+    truncated_penalty: float = 1.0
+    # KL penalty coefficient against the reference model (initial value when adaptive).
+    kl_coef: float = 0.05
+    # Per-token KL estimator from rlhf.losses.KL_ESTIMATORS (k1, k2, k3); null: the advantage
+    # estimator's paper's choice (rlhf.losses.ESTIMATORS).
+    kl_estimator: str | None = None
+    # Where the KL to the reference enters: reward (a per-token penalty in the reward, InstructGPT) or
+    # loss (a term of the policy loss, GRPO); null: the advantage estimator's paper's choice.
+    kl_in: str | None = None
+    # Target KL for the adaptive controller; null keeps kl_coef fixed.
+    kl_target: float | None = None
+    # Adaptive controller horizon, in rollouts.
+    kl_horizon: int = 10000
+    # Clip the sequence score to +-this before it becomes a reward; 0 turns clipping off.
+    reward_clip: float = 5.0
+    # Normalize scores by running mean and std before clipping.
+    reward_normalize: bool = False
+    # Weight of the reward model's score in the reward (0: no reward model is loaded).
+    reward_model_weight: float = 1.0
+    # A reward function added to the score (null: none): rule (the data's rule, data.rule), a name from
+    # rlhf.rewards.REWARD_FNS, or your own 'package.module:function' taking (prompt, answer) -> float.
+    reward_fn: str | None = None
+    # Weight of reward_fn's value.
+    reward_fn_weight: float = 1.0
+    # Advantage estimator from rlhf.losses.ESTIMATORS: gae (with a critic), or the critic-free grpo,
+    # dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline (no critic is built).
+    advantage_estimator: str = "gae"
+    # GAE discount.
+    gamma: float = 1.0
+    # GAE lambda.
+    lam: float = 0.95
+    # Whiten GAE's advantages over the rollout batch (the critic-free estimators normalize by their own
+    # definition: per group, or over the batch for REINFORCE++).
+    whiten_advantages: bool = True
+    # PPO policy clip range.
+    clip_range: float = 0.2
+    # Value clip range.
+    value_clip_range: float = 0.2
+    # Weight of the value loss (the critic has its own optimizer; this scales its loss).
+    vf_coef: float = 1.0
+    # Entropy bonus coefficient; 0 is off.
+    entropy_coef: float = 0.0
+    # Weight of the pretraining (ptx) LM loss on the SFT part of the blend; 0 is off.
+    ptx_coef: float = 0.0
+    # Critic learning rate (the actor's is optim.lr).
+    critic_lr: float = 5e-4
+    # Decay of an exponential moving average of the actor, saved as model_ema; 0 is off.
+    ema_decay: float = 0.0
+    # Keep the frozen reference model's parameters in host memory (ZeRO-3 offload).
+    offload_reference: bool = False
+    # Keep the frozen reward model's parameters in host memory (ZeRO-3 offload).
+    offload_reward: bool = False
+    # Held-out prompts scored by greedy decoding (with the rule, where it applies), per half: keeping
+    # the best actor and the hacking warning read the first half at each eval (select/*), the figures
+    # reported (before, after, the output's) come from the second (eval/*); 0: off.
+    eval_prompts: int = 256
+    # Where a rule scores the held-out prompts: the output model is the actor of the evaluation with the
+    # best held-out accuracy (the last actor is kept in model_last/), not simply the last one -- PPO
+    # against a learned reward model can lose accuracy late while its reward still rises.
+    keep_best: bool = True
+    # ZeRO-3 generation: gathering the whole actor once per generate call is far faster than ZeRO-3's
+    # layer-by-layer gathers (repeated for every token), but needs the full actor on each device.
+    # auto: gather when the memory pre-flight says it fits (rlhf.memory.generation_gathers_whole_model),
+    # else layerwise; gather; layerwise.
+    zero3_generation: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "layerwise"))
+        _choice("step.old_logprobs", self.old_logprobs, ("rollout", "recompute"))
+        _choice("step.truncated_answers", self.truncated_answers, ("keep", "penalty", "mask"))
+        for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",
+                    "max_new_tokens", "temperature", "top_p", "kl_horizon", "critic_lr"):
+            _positive(f"step.{key}", getattr(self, key))
+        for key in ("kl_coef", "reward_clip", "reward_model_weight", "reward_fn_weight", "gamma", "lam",
+                    "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
+                    "top_k", "eval_prompts", "min_new_tokens", "generation_batch_size_per_device", "truncated_penalty"):
+            _positive(f"step.{key}", getattr(self, key), allow_zero=True)
+        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES, LOSS_AGGS
+
+        _choice("step.advantage_estimator", self.advantage_estimator, tuple(ESTIMATORS))
+        estimator = ESTIMATORS[self.advantage_estimator]
+        # Derived, not configured: unset, the KL goes where the estimator's paper put it.
+        if self.kl_estimator is None:
+            self.kl_estimator = estimator.kl_estimator
+        if self.kl_in is None:
+            self.kl_in = estimator.kl_in
+        if self.loss_agg is None:
+            self.loss_agg = estimator.loss_agg
+        _choice("step.loss_agg", self.loss_agg, tuple(LOSS_AGGS))
+        if self.do_sample and (self.top_k or self.top_p < 1.0):
+            # Top-k / top-p sample from a truncated distribution whose support is each model's own: a
+            # token the actor drew can lie outside the reference's top-k, where its probability is 0 and
+            # the KL infinite; scoring with the full softmax instead biases the gradient and the KL.
+            raise ConfigError(
+                f"step.top_k={self.top_k} / step.top_p={self.top_p}: PPO samples the full distribution (top_k=0, "
+                "top_p=1.0) so that the old, new and reference log-probs are of the distribution that drew the "
+                "answers; a truncated one has a support of its own per model (a drawn token can have probability "
+                "0 under the reference: an infinite KL). Lower step.temperature for more focused rollouts")
+        _choice("step.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
+        _choice("step.kl_in", self.kl_in, KL_PLACES)
+        if self.samples_per_prompt < estimator.min_group:
+            raise ConfigError(f"step.advantage_estimator={self.advantage_estimator} compares the answers to one prompt: "
+                              f"it needs step.samples_per_prompt >= {estimator.min_group} "
+                              f"(got {self.samples_per_prompt})")
+        if self.rollout_batch_size_per_device % self.samples_per_prompt:
+            raise ConfigError(f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not a "
+                              f"multiple of step.samples_per_prompt={self.samples_per_prompt}: a prompt's answers "
+                              "must land in one rollout batch")
+        if self.reward_fn is not None and self.reward_fn != "rule":
+            from rlhf.rewards import resolve
+
+            resolve(self.reward_fn, "step.reward_fn")
+        if self.reward_model_weight == 0 and self.reward_fn is None:
+            raise ConfigError("step.reward_model_weight=0 and no step.reward_fn: PPO would have no reward")
+        if self.rollout_batch_size_per_device % (self.micro_batch_size_per_device * self.gradient_accumulation_steps):
+            raise ConfigError(
+                f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not divisible by "
+                f"step.micro_batch_size_per_device ({self.micro_batch_size_per_device}) x "
+                f"step.gradient_accumulation_steps ({self.gradient_accumulation_steps})")
+        if self.global_batch_size is not None:
+            raise ConfigError("step.global_batch_size is not used by PPO; set step.rollout_batch_size_per_device, "
+                              "step.micro_batch_size_per_device and step.gradient_accumulation_steps")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"step.min_new_tokens={self.min_new_tokens} exceeds step.max_new_tokens={self.max_new_tokens}")
+        if self.ema_decay >= 1.0:
+            raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
+
+
+@dataclass(frozen=True)
+class Role:
+    # A model the step builds: its name, whether it trains, whether it has a language-model head.
+    name: str
+    trainable: bool
+    lm_head: bool
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything keyed by step name, in one place: the schema, the title in chain logs, the part of
+    DeepSpeed-Chat's data split it trains on, what one row is, and the models it builds."""
+
+    schema: type[StepConfig]
+    title: str
+    split_index: int
+    rows: str
+    roles: tuple[Role, ...]
+
+
+STEPS: dict[str, StepSpec] = {
+    "sft": StepSpec(SFTStepConfig, "Step 1 (SFT)", 0, "sequences", (Role("model", True, True),)),
+    "reward": StepSpec(RewardStepConfig, "Step 2 (reward model)", 1, "pairs", (Role("reward", True, False),)),
+    # DeepSpeed-Chat's DPO alternative to steps 2-3: the policy learns from the reward part's pairs.
+    "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs",
+                    (Role("actor", True, True), Role("reference", False, True))),
+    # SimPO: reference-free, the policy alone learns from the reward part's pairs.
+    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (Role("actor", True, True),)),
+    "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
+                    (Role("actor", True, True), Role("reference", False, True), Role("critic", True, False),
+                     Role("reward", False, False))),
+}
+STEP_SCHEMAS: dict[str, type[StepConfig]] = {name: spec.schema for name, spec in STEPS.items()}
