@@ -6,71 +6,15 @@ rule ends the run early, and a non-finite loss stops with a marked checkpoint.""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
-from torch.utils.data import default_collate
 
-from rlhf import engine as engine_factory
-from rlhf.checkpoint import Checkpointer
-from rlhf.config import to_schema
-from rlhf.runners import common, loop
-from rlhf.worker import init_distributed
-from tests.conftest import compose
-
-# 24 rows, micro batches of 4, 2 accumulated: 3 optimizer steps per epoch, 2 epochs.
-ROWS, STEPS = 24, 6
-
-
-def _rows() -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    return [{"x": torch.randn(3, generator=g), "y": torch.randn(1, generator=g), "attention_mask": torch.ones(2)}
-            for _ in range(ROWS)]
-
-
-def _train(run_dir: Path, stop_at: int = 0, nan_at: int = 0, ready_at: int = 0) -> tuple[dict, common.LoopState]:
-    """Build the loop's pieces as a runner does and train; the final weights and the loop state.
-    ``stop_at``: send this process SIGTERM during that optimizer step; ``nan_at``: a NaN loss there;
-    ``ready_at``: the readiness function says done at that step's evaluation."""
-    cfg = to_schema(compose([
-        "step=sft", "step.epochs=2", "step.micro_batch_size_per_device=4", "step.gradient_accumulation_steps=2",
-        "step.log_every_steps=1", "step.eval_every_steps=1", "checkpoint.every_steps=1", "checkpoint.keep_last=100",
-        "optim.warmup_steps=0", "logging.progress_bar=false", f"run_dir={run_dir}"]))
-    init_distributed(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    rows = _rows()
-    loader, sampler = common.train_loader(rows, cfg, 0, 1, default_collate)
-    total = common.plan_steps(cfg, len(loader), len(rows))
-    engine, _ = engine_factory.build_train_engine(torch.nn.Linear(3, 1), cfg, total)
-    ckpt = Checkpointer(run_dir, {"model": engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)
-    state, _, logger = common.start_loop(ckpt, cfg, 0, total, ("loss",), "sft")
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def micro_step(batch: dict) -> tuple:
-        if stop_at and state.step + 1 == stop_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        loss = ((engine(batch["x"]) - batch["y"]) ** 2).mean()
-        return (loss * float("nan") if nan_at and state.step + 1 == nan_at else loss), {}
-
-    def ready(epoch: int) -> bool:
-        state.last, state.last_eval_step = {"eval/loss": float(state.step)}, state.step
-        if ready_at and state.step >= ready_at:
-            state.stopped_by = f"ready at {state.step}"
-            return True
-        return False
-
-    try:
-        loop.train(cfg, engine, loader, sampler, ckpt, state, logger, 4, micro_step, ready, "toy loss")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    logger.close()
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, state
+from tests.conftest import ROOT, clean_env, free_port
+from tests.loop_worker import STEPS, train
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -80,7 +24,7 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
-    weights, state = _train(run_dir)
+    weights, state = train(run_dir)
     return run_dir, weights, state
 
 
@@ -100,7 +44,7 @@ def test_a_resume_from_a_checkpoint_ends_with_the_straight_runs_weights(tmp_path
     (ckpts / "latest").write_text(f"step_{step:08d}")
     client = torch.load(ckpts / f"step_{step:08d}" / "client_rank0.pt", weights_only=False)["state"]
     assert (client["epoch"], client["batch_index"]) == ((0, 4) if where == "mid-epoch" else (1, 0))
-    resumed, state = _train(tmp_path)
+    resumed, state = train(tmp_path)
     assert state.step == STEPS and _same(resumed, weights), where
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
     assert logged == list(range(step + 1, STEPS + 1)), "each step after the checkpoint logged once"
@@ -109,19 +53,36 @@ def test_a_resume_from_a_checkpoint_ends_with_the_straight_runs_weights(tmp_path
 def test_a_stop_request_saves_and_the_run_resumes_where_it_stopped(tmp_path, straight):
     _, weights, _ = straight
     with pytest.raises(SystemExit, match=r"stopped by signal 15 after step 4; checkpoint saved"):
-        _train(tmp_path, stop_at=4)
+        train(tmp_path, stop_at=4)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-    resumed, state = _train(tmp_path)
+    resumed, state = train(tmp_path)
     assert state.step == STEPS and _same(resumed, weights)
 
 
 def test_a_readiness_rule_ends_the_run_at_its_evaluation(tmp_path):
-    _, state = _train(tmp_path, ready_at=2)
+    _, state = train(tmp_path, ready_at=2)
     assert state.step == 2 and state.total_steps == 2 and state.stopped_by == "ready at 2"
 
 
 def test_a_nonfinite_loss_stops_with_a_marked_checkpoint(tmp_path):
     with pytest.raises(FloatingPointError, match=r"toy loss is nan at optimizer step 3"):
-        _train(tmp_path, nan_at=3)
+        train(tmp_path, nan_at=3)
     assert (tmp_path / "checkpoints" / "nonfinite_step_00000003").is_dir()
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+@pytest.mark.slow  # a 2-rank launch; make test starts 2 ranks in test_loss_agg and one PPO run
+def test_a_nonfinite_loss_on_one_of_two_ranks_stops_both(tmp_path):
+    """Rank 1 alone sees a NaN at step 2: both ranks stop there (the flag is reduced over ranks), the
+    state saved once, marked, never made latest."""
+    out = tmp_path / "outcomes.json"
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
+                           "--master_port", str(free_port()), str(ROOT / "tests" / "loop_worker.py"), str(tmp_path / "run"),
+                           str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          env=clean_env(PYTHONPATH=str(ROOT)), timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    outcomes = json.loads(out.read_text())
+    assert len(outcomes) == 2 and all("toy loss is" in o and "at optimizer step 2 (on this or another rank)" in o
+                                      for o in outcomes), outcomes
+    assert (tmp_path / "run" / "checkpoints" / "nonfinite_step_00000002").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
