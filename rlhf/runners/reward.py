@@ -114,6 +114,21 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
     return out
 
 
+def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> list:
+    """The rule check's answers, on the reported half's prompts: on the shipped tasks, the right answer
+    and near misses of each prompt; with a user's rule (data.rule), the eval pairs as the rule ranks
+    them; none where no rule knows the prompts or step.rule_check_answers is 0."""
+    if not cfg.step.rule_check_answers:
+        return []
+    prompts = list(dict.fromkeys(eval_prompts[i] for i in heldout_split(eval_prompts)[1]))
+    if not cfg.data.rule and all(synthetic.parse_prompt(p) is not None for p in prompts):
+        return shipped_candidates(prompts, cfg.step.rule_check_answers, cfg.data.seed)
+    if cfg.data.rule:
+        rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
+        return rule_candidates(rows.select(heldout_split(rows["prompt"])[1]), rewards.resolve(cfg.data.rule, "data.rule"))
+    return []
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
@@ -132,17 +147,7 @@ def run(cfg: Config) -> dict:
         select_rows = report_rows = list(range(len(eval_ds)))
     selection = common.eval_loader(eval_ds.select(select_rows), cfg, rank, world, collate)
     evaluation = common.eval_loader(eval_ds.select(report_rows), cfg, rank, world, collate)
-    # The rule check, on the reported half's prompts: on the shipped tasks, the right answer and near
-    # misses of each prompt; with a user's rule (data.rule), the eval pairs as the rule ranks them.
-    cands = []
-    if step_cfg.rule_check_answers:
-        prompts = list(dict.fromkeys(eval_prompts[i] for i in heldout_split(eval_prompts)[1]))
-        if not cfg.data.rule and all(synthetic.parse_prompt(p) is not None for p in prompts):
-            cands = shipped_candidates(prompts, step_cfg.rule_check_answers, cfg.data.seed)
-        elif cfg.data.rule:
-            rule = rewards.resolve(cfg.data.rule, "data.rule")
-            rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
-            cands = rule_candidates(rows.select(heldout_split(rows["prompt"])[1]), rule)
+    cands = rule_check_candidates(cfg, eval_prompts, tokenizer)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_reward_model, model_path, tokenizer, total_steps, "reward")
