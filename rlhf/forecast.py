@@ -164,9 +164,11 @@ _PROBED: dict[tuple, tuple[float, float, str]] = {}
 
 def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, str]:
     """This CPU's rates for a model of this width, best of a few repeats, cached per process: FLOP/s
-    in the matrix products a step runs (256 rows times a width x 4*width weight, as the feed-forward
-    layers), and the seconds one decoder layer takes for a single token (the ops of a layer at one
-    row: there the cost is dispatching ops, not arithmetic)."""
+    in the matrix products a training step runs (1,024 token rows times a width x 4*width weight, as
+    the feed-forward layers: a micro batch of 16 x 64 tokens), and the seconds one decoder layer takes
+    for a single token (the ops of a layer at one row: there the cost is dispatching ops, not
+    arithmetic)."""
+    ROWS = 1024
     import torch
     import torch.nn.functional as F
 
@@ -187,8 +189,8 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, s
             return fastest
 
         try:
-            a, b = torch.randn(256, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-            rate = 2 * 256 * width * 4 * width / best(lambda: a @ b, 10)
+            a, b = torch.randn(ROWS, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+            rate = 2 * ROWS * width * 4 * width / best(lambda: a @ b, 10)
             x, w, up, down = (torch.randn(1, 1, width, dtype=dtype), torch.randn(width, width, dtype=dtype),
                               torch.randn(width, 4 * width, dtype=dtype), torch.randn(4 * width, width, dtype=dtype))
             cache = torch.randn(1, 32, width, dtype=dtype)
@@ -246,6 +248,40 @@ def step_rows(cfg: Config, rows: int = 0) -> tuple[int, str]:
     return int(total * part), f"{how}: {total:,} train rows x {part:.0%} for this step"
 
 
+def padded_lengths(cfg: Config, micro: int, pairs: bool) -> tuple[float, float] | None:
+    """Mean padded length of a micro batch, in tokens, as the collators pad (to the longest row of the
+    batch; a pair's two answers together): (prompt + answer, prompt) over up to 512 train rows of
+    local data, tokenized by the run's tokenizer; None where the data or the tokenizer is not local
+    (then max_seq_len, or max_prompt_len, stands for every row, as DeepSpeed-Chat pads)."""
+    import dataclasses
+    import os
+
+    from rlhf.config import looks_local
+
+    path = cfg.actor.path or cfg.model.path
+    if not all(looks_local(s.path) for s in cfg.data.sources) or (path and not looks_local(path)):
+        return None
+    from rlhf import models
+    from rlhf.data.blend import DataReport, load_step_data
+
+    if path and not os.path.exists(os.path.expanduser(path)):
+        # A chain's output that does not exist yet (a dry-run): a tiny model's tokenizer is its random
+        # base model's (built locally in seconds); a real model's is not guessed.
+        if param_counts(cfg.model)[0] > 50e6:
+            return None
+        path = models.resolve_path(dataclasses.replace(cfg.model, path="", random_init=True))
+    tokenizer = models.load_tokenizer(path or models.resolve_path(cfg.model))
+    rows = load_step_data(cfg.data, cfg.step.name, DataReport(), tokenizer)[0]
+    rows = rows.select(range(min(512, len(rows))))
+    prompts = [len(tokenizer(r["prompt"]).input_ids) for r in rows]
+    answers = [max(len(tokenizer(r["chosen"]).input_ids), len(tokenizer(r["rejected"]).input_ids) if pairs else 0) + 1
+               for r in rows]
+    full = [p + a for p, a in zip(prompts, answers, strict=True)]
+    chunks = [range(i, min(i + micro, len(rows))) for i in range(0, len(rows), micro)]
+    return (sum(max(full[j] for j in c) for c in chunks) / len(chunks),
+            sum(max(prompts[j] for j in c) for c in chunks) / len(chunks))
+
+
 def _critic_model(cfg: Config) -> ModelConfig:
     return load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model
 
@@ -263,7 +299,8 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         return _ppo(cfg, part_rows, rates, notes)
     pairs = STEPS[step.name].rows == "pairs"
     seqs = step.micro_batch_size_per_device * step.gradient_accumulation_steps * (2 if pairs else 1)
-    seq = step.max_seq_len
+    lengths = padded_lengths(cfg, step.micro_batch_size_per_device, pairs)
+    seq = min(step.max_seq_len, lengths[0]) if lengths else step.max_seq_len
     per_epoch = part_rows // step.global_batch_size if part_rows else 1
     steps = per_epoch * step.epochs
     if step.max_steps > 0:
@@ -280,7 +317,9 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
     work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "
-            f"{step.global_batch_size} x {seq} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
+            f"{step.global_batch_size} x {seq:.0f} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
+    if lengths:
+        notes.append(f"{seq:.0f} tokens: the mean padded micro batch of the data (step.max_seq_len={step.max_seq_len})")
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per optimizer step")
     if getattr(step, "stop_at_accuracy", None) is not None or getattr(step, "early_stop_patience", 0):
@@ -319,6 +358,10 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepFor
     actor, critic = cfg.model, _critic_model(cfg)
     roles = {r.name: r for r in step_roles(cfg)}
     batch, prompt, answer = step.rollout_batch_size_per_device, step.max_prompt_len, step.max_new_tokens
+    if lengths := padded_lengths(cfg, batch, False):  # prompts left-padded to the batch's longest
+        prompt = min(prompt, round(lengths[1]))
+        notes.append(f"{prompt} prompt tokens: the mean padded rollout batch of the data "
+                     f"(step.max_prompt_len={step.max_prompt_len})")
     seq = prompt + answer
     width = bytes_per_param(hw.precision)
     a_total, _, a_lora = param_counts(actor, cfg.lora.rank)
