@@ -160,6 +160,8 @@ def hardware_rates(cfg: Config) -> Rates:
 
 
 _PROBED: dict[tuple, tuple[float, float, str]] = {}
+# Token rows of the probe's matrix product: a training micro batch's (16 x 64 tokens).
+PROBE_ROWS = 1024
 
 
 def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, str]:
@@ -168,7 +170,6 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, s
     the feed-forward layers: a micro batch of 16 x 64 tokens), and the seconds one decoder layer takes
     for a single token (the ops of a layer at one row: there the cost is dispatching ops, not
     arithmetic)."""
-    ROWS = 1024
     import torch
     import torch.nn.functional as F
 
@@ -189,8 +190,8 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, s
             return fastest
 
         try:
-            a, b = torch.randn(ROWS, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-            rate = 2 * ROWS * width * 4 * width / best(lambda: a @ b, 10)
+            a, b = torch.randn(PROBE_ROWS, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+            rate = 2 * PROBE_ROWS * width * 4 * width / best(lambda: a @ b, 10)
             x, w, up, down = (torch.randn(1, 1, width, dtype=dtype), torch.randn(width, width, dtype=dtype),
                               torch.randn(width, 4 * width, dtype=dtype), torch.randn(4 * width, width, dtype=dtype))
             cache = torch.randn(1, 32, width, dtype=dtype)
@@ -428,6 +429,27 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepFor
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per PPO step")
     return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
+
+
+_FORECASTS: dict[str, StepForecast | Exception] = {}
+
+
+def step_forecast(cfg: Config) -> StepForecast:
+    """forecast(cfg), computed once per resolved config in a process: a chain's pre-flight, the step's
+    own pre-flight and its start all ask for it, and each forecast reads and tokenizes data."""
+    import json
+    from dataclasses import asdict
+
+    key = json.dumps(asdict(cfg), sort_keys=True, default=str)
+    if key not in _FORECASTS:
+        try:
+            _FORECASTS[key] = forecast(cfg)
+        except (ValueError, OSError) as e:
+            _FORECASTS[key] = e
+    found = _FORECASTS[key]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 # ---------------------------------------------------------------------------------- text

@@ -154,7 +154,7 @@ def write_forecast(schema: Config, run_dir: Path) -> None:
     from rlhf import forecast
 
     try:
-        f = forecast.forecast(schema)
+        f = forecast.step_forecast(schema)
     except (ValueError, OSError) as e:
         print(f"[{schema.step.name}] no forecast: {e}", flush=True)
         return
@@ -171,7 +171,7 @@ def forecast_text(schema: Config) -> str:
     from rlhf import forecast
 
     try:
-        return forecast.table(forecast.forecast(schema))
+        return forecast.table(forecast.step_forecast(schema))
     except (ValueError, OSError) as e:
         return f"forecast [{schema.step.name}]: none ({e})"
 
