@@ -100,17 +100,25 @@ def evaluate(engine, ref, loader, step_cfg) -> dict[str, float]:
             "eval/margin": ((sums[2] - sums[3]) / n).item(), "eval/chosen_logp": (sums[5] / n).item()}
 
 
+def preference_data(cfg: Config) -> tuple:
+    """What a preference step (DPO, SimPO) starts from: the policy's path (actor.path, an SFT output)
+    and tokenizer, the reward part's tokenized pairs (train, eval) with their collator, and the
+    data's rule with the reported prompts it scores greedy answers on."""
+    model_path = cfg.actor.path or models.resolve_path(cfg.model)
+    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
+    max_len = cfg.step.max_seq_len
+    train_ds, eval_ds, eval_prompts, report = common.step_data(
+        cfg, cfg.step.name, tokenizer, {"max_seq_len": max_len},
+        lambda rows, split, rep: pair_dataset(rows, tokenizer, max_len, rep, split, cfg.data.on_bad_row))
+    rule, accuracy_prompts = common.greedy_check(cfg, eval_prompts, tokenizer, report)
+    return (model_path, tokenizer, train_ds, eval_ds, PairCollator(tokenizer.pad_token_id, answer_mask=True), rule,
+            accuracy_prompts)
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
-    model_path = cfg.actor.path or models.resolve_path(cfg.model)
-    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
-
-    train_ds, eval_ds, eval_prompts, report = common.step_data(
-        cfg, "dpo", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
-        lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
-    collate = PairCollator(tokenizer.pad_token_id, answer_mask=True)
-    rule, accuracy_prompts = common.greedy_check(cfg, eval_prompts, tokenizer, report)
+    model_path, tokenizer, train_ds, eval_ds, collate, rule, accuracy_prompts = preference_data(cfg)
     gather_whole = memory.generation_gathers_whole_model(cfg)
 
     dtype = engine_factory.model_dtype(cfg)

@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from rlhf import losses, memory, models, rollout
 from rlhf.config import Config
-from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.runners import common, loop
-from rlhf.runners.dpo import pair_logprobs
+from rlhf.runners.dpo import pair_logprobs, preference_data
 
 
 def pair_loss(engine, batch: dict, step_cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,13 +51,7 @@ def evaluate(engine, loader, step_cfg) -> dict[str, float]:
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
-    model_path = cfg.actor.path or models.resolve_path(cfg.model)
-    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
-    train_ds, eval_ds, eval_prompts, report = common.step_data(
-        cfg, "simpo", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
-        lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
-    collate = PairCollator(tokenizer.pad_token_id, answer_mask=True)
-    rule, accuracy_prompts = common.greedy_check(cfg, eval_prompts, tokenizer, report)
+    model_path, tokenizer, train_ds, eval_ds, collate, rule, accuracy_prompts = preference_data(cfg)
     gather_whole = memory.generation_gathers_whole_model(cfg)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
