@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import deepspeed
@@ -73,19 +74,94 @@ def _fresh_like(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(module.config, dtype=dtype)
 
 
+# ----------------------------------------------------------------------------- a full disk
+def _out_of_space(err: BaseException) -> str | None:
+    """Why ``err`` (or an error it came from) is a write that ran out of room, or None. torch.save
+    reports a short write from C++ without an errno ("file write failed", "unexpected pos"), so
+    for those the reason is read from the machine: a full disk or a file-size limit."""
+    import errno
+    import resource
+
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            return os.strerror(err.errno)
+        text = str(err)
+        for sign in ("No space left", "File too large", "Disk quota"):
+            if sign in text:
+                return sign
+        if "file write failed" in text or "unexpected pos" in text:
+            if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+                return "a write was cut short (the disk is full or a file reached the file-size limit)"
+            return "a write was cut short (the disk is full)"
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def space_error(why: str, folder: Path, what: str, needed: int, kept: str):
+    """The one-line error of a save that ran out of room: the folder, the bytes it takes, what is free
+    there (and the file-size limit, if one is set), and what was kept."""
+    import resource
+    import shutil
+
+    from rlhf.errors import DiskFullError
+
+    root = next((p for p in [Path(folder), *Path(folder).parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(root).free
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limit_text = "" if limit == resource.RLIM_INFINITY else f", and a file-size limit (ulimit -f) of {_size(limit)}"
+    return DiskFullError(f"cannot write {what} into {folder}: {why}. It takes about {_size(needed)}; {_size(free)} "
+                         f"free there{limit_text}. {kept}; free space and run the same command again")
+
+
 def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path | None:
     """Write config, safetensors weights and tokenizer that from_pretrained loads (rank 0 writes).
 
     Causal LMs load with AutoModelForCausalLM, reward models with
     AutoModelForSequenceClassification. LoRA adapters are merged into the base weights unless
-    ``merge_lora`` is false (then only the adapter is written, PEFT's format).
+    ``merge_lora`` is false (then only the adapter is written, PEFT's format). The folder is written
+    beside ``out`` and renamed into place: a save cut short (a full disk) never leaves a model folder
+    that looks whole.
     """
+    import shutil
+
     state = gather_state_dict(engine)
     if state is None:
         if dist.is_initialized():
             dist.barrier()
         return None
-    module = engine.module
+    final, out = out, out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        _write_hf(engine.module, state, tokenizer, out, merge_lora)
+    except Exception as err:
+        if not (why := _out_of_space(err)):
+            raise
+        shutil.rmtree(out, ignore_errors=True)
+        needed = sum(t.numel() * t.element_size() for t in state.values())
+        latest = final.parent / "checkpoints" / "latest"
+        kept = (f"The checkpoint {latest.read_text().strip()} is kept and a rerun resumes from it" if latest.exists()
+                else "No checkpoint was saved (checkpoint.every_steps), so a rerun trains again")
+        raise space_error(why, final.parent, f"the model {final.name}/", needed, kept) from err
+    shutil.rmtree(final, ignore_errors=True)
+    out.rename(final)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def _write_hf(module, state: dict, tokenizer, out: Path, merge_lora: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(module, "peft_config") and merge_lora:
         from peft import get_peft_model
@@ -102,9 +178,6 @@ def save_hf_model(engine, tokenizer, out: Path, merge_lora: bool = True) -> Path
     else:
         module.save_pretrained(out, state_dict=state)
     tokenizer.save_pretrained(out)
-    if dist.is_initialized():
-        dist.barrier()
-    return out
 
 
 # ----------------------------------------------------------------------------- exact resume
@@ -153,7 +226,6 @@ class Checkpointer:
         return self.every_steps > 0 and step % self.every_steps == 0
 
     def save(self, step: int, state: dict, name: str | None = None, make_latest: bool = True) -> Path:
-        import os
         import shutil
 
         name = name or f"step_{step:08d}"
@@ -162,9 +234,18 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        for role, engine in self.engines.items():
-            engine.save_checkpoint(str(tmp), tag=role, save_latest=False)
-        torch.save({"state": state, "rng": rng_state()}, tmp / f"client_rank{self.rank}.pt")
+        try:
+            for role, engine in self.engines.items():
+                engine.save_checkpoint(str(tmp), tag=role, save_latest=False)
+            torch.save({"state": state, "rng": rng_state()}, tmp / f"client_rank{self.rank}.pt")
+        except Exception as err:
+            # A full disk or a file-size limit: this rank stops with one line; the launcher stops the
+            # others. The half-written folder goes; `latest` still names the last whole checkpoint.
+            if not (why := _out_of_space(err)):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise space_error(why, self.root, f"the checkpoint {name}", self._bytes_needed(),
+                              self._kept()) from err
         self._barrier()
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
@@ -178,6 +259,21 @@ class Checkpointer:
                     shutil.rmtree(old, ignore_errors=True)
         self._barrier()
         return final
+
+    def _kept(self) -> str:
+        pointer = self.root / "latest"
+        if pointer.exists():
+            return f"The previous checkpoint {pointer.read_text().strip()} is kept and a rerun resumes from it"
+        return "No earlier checkpoint exists, so a rerun starts over"
+
+    def _bytes_needed(self) -> int:
+        """The size of the last whole checkpoint, or (the first one) about what its engines hold: the
+        weights plus fp32 master weights and two Adam moments per trainable parameter."""
+        pointer = self.root / "latest"
+        if pointer.exists() and (last := self.root / pointer.read_text().strip()).is_dir():
+            return folder_bytes(last)
+        return sum(p.numel() * (p.element_size() + (12 if p.requires_grad else 0))
+                   for engine in self.engines.values() for p in engine.module.parameters())
 
     def after_step(self, step: int, state: dict, stop: StopRequest, logger, what: str) -> None:
         """At an optimizer-step boundary: save when due or when a signal asked to stop; then stop.
@@ -241,7 +337,10 @@ class StopRequest:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        from rlhf import ranks
+
         self.signum = signum
+        ranks.ended("signal", f"signal {signum}")
 
     def __bool__(self) -> bool:
         return self.signum != 0

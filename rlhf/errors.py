@@ -18,3 +18,10 @@ class DataError(ConfigError):
     """A user's data cannot be used as configured: the message names the file, row and column."""
 
     kind = "data"
+
+
+class DiskFullError(ConfigError):
+    """A save that ran out of room (a full disk, a quota, a file-size limit): not the user's input,
+    but said the same way, in one line naming the folder and the bytes it needs."""
+
+    kind = "disk"

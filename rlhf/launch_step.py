@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf import ranks
 from rlhf.config import (
     PROJECT_ROOT,
     STEPS,
@@ -31,6 +32,7 @@ from rlhf.config import (
     ppo_updates_per_step,
     step_roles,
 )
+from rlhf.errors import DiskFullError
 
 # Environment variables that could carry secrets are never written into the run directory.
 _SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
@@ -58,14 +60,22 @@ def versions() -> dict:
             "transformers": transformers.__version__, "platform": platform.platform()}
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename: on a multi-node run every node writes the same
+    run directory, and a rank must never read half a config.yaml."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command: list[str]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
+    _write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    _write_whole(run_dir / "command.txt", shlex.join(command) + "\n")
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("RLHF_", "DS_", "OMP_", "CUDA_VISIBLE")) and not any(h in k for h in _SECRET_HINTS)}
-    (run_dir / "run.json").write_text(json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
-                                                  "env": env}, indent=2))
+    _write_whole(run_dir / "run.json", json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
+                                                   "env": env}, indent=2))
 
 
 # Keys that change how a run is watched, launched or checkpointed, not what it computes: a resume
@@ -134,6 +144,7 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
     cmd = launch_command(schema, [run_dir]) if schema.world_size > 1 else ["python", "launch.py", "(in-process, 1 rank)"]
     lines.append("launch: " + shlex.join(cmd))
     if schema.hardware.nodes > 1:
+        lines.append(per_node_text(schema))
         lines.append(f"hostfile: {schema.launch.hostfile} " if schema.launch.hostfile else
                      f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
                      f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
@@ -146,6 +157,16 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
     lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))
     lines.append(forecast_text(schema))
     return fits, "\n".join(lines), problems
+
+
+def per_node_text(schema: Config) -> str:
+    """The other way to start several nodes, for clusters without ssh between them: one command per
+    node, each starting its own ranks (the DeepSpeed launcher's --no_ssh --node_rank)."""
+    addr = schema.launch.master_addr or "NODE0_ADDRESS"
+    return (f"launch without ssh between nodes: on node K (K = 0 .. {schema.hardware.nodes - 1}) run this command "
+            f"with launch.node_rank=K launch.master_addr={addr} (the same hostfile and run_dir on a filesystem "
+            f"every node sees); node K starts ranks {schema.hardware.devices_per_node}K .. "
+            f"{schema.hardware.devices_per_node}K+{schema.hardware.devices_per_node - 1}")
 
 
 def write_forecast(schema: Config, run_dir: Path) -> None:
@@ -309,6 +330,8 @@ def launch_command(cfg: Config, run_dirs: list[Path]) -> list[str]:
         cmd += ["--hostfile", cfg.launch.hostfile]
     if cfg.launch.master_addr:
         cmd += ["--master_addr", cfg.launch.master_addr]
+    if cfg.launch.node_rank >= 0:  # this node's ranks only; the other nodes run the same command
+        cmd += ["--no_ssh", "--node_rank", str(cfg.launch.node_rank)]
     cmd += ["--master_port", str(cfg.launch.master_port), "--no_local_rank", "--module", "rlhf.worker",
             *(str(d / "config.yaml") for d in run_dirs)]
     return cmd
@@ -327,8 +350,16 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
     runner = Path(sys.executable).parent / "deepspeed"
     exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    # Each rank says where it ran and how it ended (rlhf.ranks), so a failed launch names the lost rank.
+    ranks_dir = Path(os.path.commonpath(run_dirs)) / "ranks"
+    node = max(cfg.launch.node_rank, 0)
+    per_node = cfg.hardware.devices_per_node
+    ranks.clear(ranks_dir, range(node * per_node, (node + 1) * per_node) if cfg.launch.node_rank >= 0
+                else range(cfg.world_size))
+    env[ranks.ENV] = str(ranks_dir)
     for d in run_dirs:
         (d / "error.json").unlink(missing_ok=True)
+    started = time.monotonic()
     code = subprocess.run([*exe, *cmd[1:]], cwd=PROJECT_ROOT, env=env).returncode
     # DeepSpeed's CPU all-reduce keeps a shared-memory buffer per rank in /dev/shm, named by the
     # rendezvous port; ranks the launcher killed never unlink theirs (17 GB piled up here, and the
@@ -341,7 +372,9 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
         for d in run_dirs:
             if (f := d / "error.json").exists():
                 err = json.loads(f.read_text())
-                raise (DataError if err["kind"] == "data" else ConfigError)(err["message"])
-        raise RuntimeError(f"the ranks stopped with exit code {code} (their output is above; the run's files "
-                           f"are in {', '.join(map(str, run_dirs))})")
+                raise {"data": DataError, "disk": DiskFullError}.get(err["kind"], ConfigError)(err["message"])
+        how = ranks.lost_ranks_report(ranks_dir, cfg.world_size)
+        raise RuntimeError(f"the ranks stopped with exit code {code} after {time.monotonic() - started:.0f} s"
+                           + (f": {how}" if how else "") + f" (their output is above; the run's files are in "
+                           f"{', '.join(map(str, run_dirs))}; the same command resumes from the last checkpoint)")
     return [json.loads(f.read_text()) if (f := d / "final_metrics.json").exists() else {} for d in run_dirs]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -39,7 +40,10 @@ def init_distributed(cfg: Config) -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=cfg.hardware.dist_backend, verbose=False)
+        from datetime import timedelta
+
+        deepspeed.init_distributed(dist_backend=cfg.hardware.dist_backend, verbose=False,
+                                   timeout=timedelta(minutes=cfg.launch.collective_timeout_min))
     if cfg.hardware.accelerator == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
@@ -132,8 +136,14 @@ def main_steps(paths: list[str]) -> None:
 
     import torch.distributed as dist
 
+    from rlhf import ranks
     from rlhf.config import ConfigError, load_run_config
 
+    ranks.started()
+    # The launcher terminates the other ranks as soon as one fails; say so in this rank's record
+    # before going (the runners' stop request replaces this handler once training starts).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _end_on_signal)
     for path in paths:
         cfg = load_run_config(path)
         run_dir = Path(cfg.run_dir)
@@ -146,11 +156,13 @@ def main_steps(paths: list[str]) -> None:
         except ConfigError as err:
             # A user's error (bad data, a rule that cannot score): one line for the launcher to show
             # (launch_step.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
+            ranks.ended("error", f"{err.kind} error: {err}")
             (run_dir / "error.json").write_text(json.dumps({"kind": err.kind, "message": str(err)}))
             if "RLHF_LAUNCHER" not in os.environ:  # ranks started by hand: nobody else will say it
                 print(f"{err.kind} error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
-        except Exception:
+        except Exception as err:
+            ranks.ended("error", f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
             if (run_dir / "error.json").exists():  # another rank's user error broke the collectives
                 sys.exit(2)
             raise
@@ -158,6 +170,14 @@ def main_steps(paths: list[str]) -> None:
             (run_dir / "wall_time.json").write_text(json.dumps({"seconds": round(time.perf_counter() - start, 1)}))
         gc.collect()  # drop the finished step's engines before the next step builds its own
         dist.barrier()
+    ranks.ended("ok")
+
+
+def _end_on_signal(signum, frame) -> None:
+    from rlhf import ranks
+
+    ranks.ended("signal", f"signal {signum}")
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -68,9 +68,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, module: str | None = None, timeout: float = 600, input: str | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python launch.py ARGS` (or `python -m MODULE ARGS`), output captured."""
+def _cli(args: tuple[str, ...], module: str | None, env: dict[str, str] | None) -> dict:
     # From a scratch folder, with the checkout on PYTHONPATH: a default Hydra run folder (runs/...)
     # lands there, never in the working tree.
     cmd = [sys.executable, *(["-m", module] if module else [str(ROOT / "launch.py")]), *args]
@@ -78,7 +76,34 @@ def run_cli(*args: str, module: str | None = None, timeout: float = 600, input: 
     cwd.mkdir(exist_ok=True)
     env = dict(env or clean_env())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=input, env=env)
+    return {"args": cmd, "cwd": cwd, "env": env, "text": True}
+
+
+def run_cli(*args: str, module: str | None = None, timeout: float = 600, input: str | None = None,
+            env: dict[str, str] | None = None, **popen) -> subprocess.CompletedProcess:
+    """`python launch.py ARGS` (or `python -m MODULE ARGS`), output captured."""
+    return subprocess.run(**_cli(args, module, env), capture_output=True, timeout=timeout, input=input, **popen)
+
+
+def start_cli(*args: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """`python launch.py ARGS` started in the background (for a test that kills or watches it)."""
+    return subprocess.Popen(**_cli(args, None, env), **popen)
+
+
+def same_run(a: Path, b: Path, key: str) -> None:
+    """Runs ``a`` and ``b`` ended with the same weights (1e-6) and logged the same ``key`` at every
+    step, each step once and in order (a resumed run appends to its metrics)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    la = {json.loads(x)["step"]: json.loads(x)[key] for x in open(a / "metrics.jsonl") if f'"{key}"' in x}
+    lb = [(json.loads(x)["step"], json.loads(x)[key]) for x in open(b / "metrics.jsonl") if f'"{key}"' in x]
+    assert [s for s, _ in lb] == sorted(la), "each step logged once, in order"
+    assert all(abs(la[s] - v) <= 1e-6 for s, v in lb)
 
 
 def free_port() -> int:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rlhf.launch import run
-from tests.conftest import ROOT, clean_env, compose, run_cli
+from tests.conftest import ROOT, clean_env, compose, run_cli, same_run
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32"]
 
@@ -47,15 +46,6 @@ def _kill_after(args: list[str], run_dir: Path, key: str, rows: int, sig: int = 
     return proc.returncode
 
 
-def _same_result(a: Path, b: Path, key: str) -> None:
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
-    la = {json.loads(x)["step"]: json.loads(x)[key] for x in open(a / "metrics.jsonl") if f'"{key}"' in x}
-    lb = [(json.loads(x)["step"], json.loads(x)[key]) for x in open(b / "metrics.jsonl") if f'"{key}"' in x]
-    assert [s for s, _ in lb] == sorted(la), "each step logged once, in order"
-    assert all(abs(la[s] - v) <= 1e-6 for s, v in lb)
-
-
 SFT = ["step=sft", "step.max_steps=30", "step.log_every_steps=1", "checkpoint.every_steps=5", "step.eval_every_steps=0"]
 
 
@@ -64,7 +54,7 @@ def test_sft_resumes_exactly_after_sigkill_mid_epoch(tmp_path):
     _kill_after(SFT, tmp_path / "b", "loss", 12)
     out = run_cli(*SFT, *QUIET, f"run_dir={tmp_path / 'b'}")
     assert out.returncode == 0 and "resumed at step" in out.stdout
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
 
 
 @pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
@@ -78,7 +68,7 @@ def test_sft_resumes_at_an_epoch_boundary_and_trains_the_remaining_epochs(tmp_pa
     assert latest in ("step_00000010", "step_00000020")
     out = run_cli(*args, *QUIET, f"run_dir={tmp_path / 'b'}")
     assert out.returncode == 0 and "micro batch 0" in out.stdout
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
     assert json.loads((tmp_path / "b" / "final_metrics.json").read_text())["step"] == 30
 
 
@@ -103,7 +93,7 @@ def test_a_cut_short_write_and_an_unreadable_latest_checkpoint_fall_back_to_a_go
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"cannot resume from {ckpts / latest}" in out.stdout
     assert f"resumed at step {int(previous.split('_')[1])}" in out.stdout
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
 
 
 @pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
@@ -113,7 +103,7 @@ def test_reward_resumes_exactly_after_sigkill(tmp_path):
     _straight(args, tmp_path / "a")
     _kill_after(args, tmp_path / "b", "loss", 12)
     _straight(args, tmp_path / "b")
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
 
 
 def test_ppo_resumes_exactly_after_sigkill(tmp_path):
@@ -125,7 +115,7 @@ def test_ppo_resumes_exactly_after_sigkill(tmp_path):
     _straight(args, tmp_path / "a")
     _kill_after(args, tmp_path / "b", "policy_loss", 6)
     _straight(args, tmp_path / "b")
-    _same_result(tmp_path / "a", tmp_path / "b", "policy_loss")
+    same_run(tmp_path / "a", tmp_path / "b", "policy_loss")
 
 
 @pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
@@ -135,7 +125,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_then_resumes_exactly(tmp_path
     code = _kill_after(args, tmp_path / "b", "loss", 8, sig=signal.SIGTERM)
     assert code != 0
     _straight(args, tmp_path / "b")
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
 
 
 def test_a_finished_run_does_nothing_and_resume_never_starts_over(tmp_path, capsys):

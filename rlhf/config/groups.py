@@ -330,6 +330,14 @@ class LaunchConfig:
     # Address and port of rank 0 for multi-node runs; empty address: the launcher's default.
     master_addr: str = ""
     master_port: int = 29500
+    # Which node this command starts, for clusters without ssh between nodes: run the same command on
+    # every node with its own launch.node_rank (0 .. hardware.nodes-1) and launch.master_addr set to
+    # node 0's address; -1: one command starts every node over ssh (the hostfile's hosts).
+    node_rank: int = -1
+    # Minutes a rank waits in a collective (all-reduce, barrier) for the others before it fails: a
+    # hung rank (a stalled machine, a dead network link) stops the job after this long instead of
+    # holding every GPU. Long enough for rank 0 alone to write a large model while the others wait.
+    collective_timeout_min: float = 30.0
     # Train rows of the data blend for the time forecast where the data is on a hub (local files are
     # counted); 0: unknown, the forecast is per step.
     forecast_rows: int = 0
@@ -340,6 +348,13 @@ class LaunchConfig:
             raise ConfigError(f"launch.hostfile={self.hostfile!r} does not exist")
         if not 0 < self.master_port < 65536:
             raise ConfigError(f"launch.master_port={self.master_port} is not a port number")
+        if self.node_rank < -1:
+            raise ConfigError(f"launch.node_rank={self.node_rank}: -1 (every node over ssh) or a node's index")
+        if self.node_rank >= 0 and not self.master_addr:
+            raise ConfigError(f"launch.node_rank={self.node_rank} needs launch.master_addr: node 0's address, the "
+                              "same on every node")
+        if not self.collective_timeout_min > 0:
+            raise ConfigError(f"launch.collective_timeout_min={self.collective_timeout_min} must be above 0")
 
 
 @dataclass

@@ -159,6 +159,9 @@ class Config:
         if self.step.name not in STEP_SCHEMAS:
             raise ConfigError(f"step.name={self.step.name!r} is not allowed; choose one of "
                               f"{', '.join(STEP_SCHEMAS)}")
+        if self.launch.node_rank >= self.hardware.nodes:
+            raise ConfigError(f"launch.node_rank={self.launch.node_rank} but hardware.nodes={self.hardware.nodes}: "
+                              f"node ranks are 0 .. {self.hardware.nodes - 1}")
         # The batch arithmetic, derived once here: every later reader sees one consistent pair.
         per_step = self.step.micro_batch_size_per_device * self.world_size
         if self.step.global_batch_size is not None:

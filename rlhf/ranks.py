@@ -1,0 +1,95 @@
+"""Which rank ran where and how it ended, so that a launch whose ranks stopped can name the one that
+was lost, instead of the launcher's "exit code -9" for the whole job.
+
+Each rank started by the DeepSpeed launcher writes ``RANKS_DIR/rank<N>.json`` when it starts (pid,
+host, node) and again when it ends: "ok", "error" with the exception, or "signal" when a SIGTERM /
+SIGINT reached it (the launcher terminates the other ranks as soon as one fails). A rank killed
+outright (SIGKILL, the out-of-memory killer, a machine that went down) writes nothing more: after
+the launch, the ranks still marked "running" are the lost ones.
+
+    python -c "from rlhf.ranks import lost_ranks_report"   # used by rlhf.worker and rlhf.launch_step
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+# Set by the process that starts the launcher (rlhf.launch_step.launch_ranks) for its ranks.
+ENV = "RLHF_RANKS_DIR"
+
+
+def _path() -> Path | None:
+    folder = os.environ.get(ENV)
+    return Path(folder) / f"rank{os.environ.get('RANK', '0')}.json" if folder else None
+
+
+def _write(record: dict) -> None:
+    if (path := _path()) is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)  # a reader never sees half a record
+
+
+def _read() -> dict:
+    path = _path()
+    try:
+        return json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def started() -> None:
+    _write({"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "status": "running"})
+
+
+def ended(status: str, detail: str = "") -> None:
+    """``status``: ok, error or signal. The first end a rank records stands: a rank stopped by the
+    launcher's SIGTERM that then fails on a collective is still 'signal'."""
+    record = _read()
+    if record and record.get("status") == "running":
+        _write({**record, "status": status, "detail": detail[:500], "ended": time.time()})
+
+
+def clear(folder: Path, ranks: range) -> None:
+    """Remove the records of ``ranks`` (this node's) before a launch: only the other nodes' are left."""
+    for rank in ranks:
+        (folder / f"rank{rank}.json").unlink(missing_ok=True)
+
+
+def lost_ranks_report(folder: Path, world_size: int) -> str:
+    """One line on how the ranks ended: the lost ones (started, never ended), else the first one that
+    failed with an error; then what became of the others. Empty when there are no records."""
+    records = {}
+    for rank in range(world_size):
+        try:
+            records[rank] = json.loads((folder / f"rank{rank}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return ""
+    lost = [r for r, rec in records.items() if rec.get("status") == "running"]
+    failed = sorted((rec.get("ended", 0.0), r) for r, rec in records.items() if rec.get("status") == "error")
+    if lost:
+        where = ", ".join(f"rank {r} (pid {records[r]['pid']} on {records[r]['host']})" for r in lost)
+        cause = lost
+        parts = [f"lost {where}: it ended without a word (killed by a signal such as SIGKILL, the out-of-memory "
+                 "killer, or its machine went down)"]
+    elif failed:
+        r = failed[0][1]
+        cause = [r]
+        parts = [f"rank {r} (pid {records[r]['pid']} on {records[r]['host']}) failed: {records[r].get('detail', '')}"]
+    else:
+        return ""
+    others = [r for r in records if r not in cause]
+    if others:
+        parts.append(f"rank(s) {', '.join(map(str, others))} stopped after it")
+    if never := [r for r in range(world_size) if r not in records]:
+        parts.append(f"rank(s) {', '.join(map(str, never))} never started")
+    return "; ".join(parts)
