@@ -52,6 +52,9 @@ def started() -> None:
 def ended(status: str, detail: str = "") -> None:
     """``status``: ok, error or signal. The first end a rank records stands: a rank stopped by the
     launcher's SIGTERM that then fails on a collective is still 'signal'."""
+    import re
+
+    detail = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", detail)  # gloo's source location, not the user's business
     record = _read()
     if record and record.get("status") == "running":
         _write({**record, "status": status, "detail": detail[:500], "ended": time.time()})
@@ -79,8 +82,8 @@ def lost_ranks_report(folder: Path, world_size: int) -> str:
     if lost:
         where = ", ".join(f"rank {r} (pid {records[r]['pid']} on {records[r]['host']})" for r in lost)
         cause = lost
-        parts = [f"lost {where}: it ended without a word (killed by a signal such as SIGKILL, the out-of-memory "
-                 "killer, or its machine went down)"]
+        parts = [f"lost {where}: it ended without a word or stopped answering (killed by a signal such as SIGKILL "
+                 "or the out-of-memory killer, hung past launch.collective_timeout_min, or its machine went down)"]
     elif failed:
         r = failed[0][1]
         cause = [r]
@@ -89,7 +92,9 @@ def lost_ranks_report(folder: Path, world_size: int) -> str:
         return ""
     others = [r for r in records if r not in cause]
     if others:
-        parts.append(f"rank(s) {', '.join(map(str, others))} stopped after it")
+        first = next((records[r] for r in others if records[r].get("detail")), None)
+        parts.append(f"rank(s) {', '.join(map(str, others))} stopped after it"
+                     + (f" (rank {first['rank']}: {first['detail']})" if first else ""))
     if never := [r for r in range(world_size) if r not in records]:
         parts.append(f"rank(s) {', '.join(map(str, never))} never started")
     return "; ".join(parts)

@@ -1,11 +1,13 @@
 """Sweep bookkeeping: each job's objective and status, skipping finished jobs on a rerun, and the
-results table (CSV + Markdown) and plot written when a multirun ends.
+results table (CSV + Markdown) and plot written when a multirun ends -- also when it stops early
+(a job's process killed takes Hydra's multirun down with it), naming every job of the sweep.
 
     python launch.py -m sweep=sft_lr_zero        # writes multirun/sft_lr_zero/results.{csv,md,png}
 """
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
 import math
@@ -52,13 +54,63 @@ def finished(run_dir: Path) -> dict | None:
     return result if result.get("status") == "ok" else None
 
 
-def collect(sweep_dir: Path) -> list[dict]:
-    rows = []
-    for path in sorted(sweep_dir.glob(f"*/{RESULT_FILE}")):
-        result = json.loads(path.read_text())
-        result["job"] = path.parent.name
+def _job_overrides(job_dir: Path) -> list[str] | None:
+    """The overrides a started job ran with: Hydra's .hydra/overrides.yaml (written before the job
+    starts), else run.json (written once the step started); None for a folder that is no job."""
+    from omegaconf import OmegaConf
+
+    if (path := job_dir / ".hydra" / "overrides.yaml").exists():
+        return [str(o) for o in OmegaConf.load(path)]
+    if (path := job_dir / "run.json").exists():
+        return list(json.loads(path.read_text()).get("overrides", []))
+    return None
+
+
+def _checkpoints(job_dir: Path) -> list[str]:
+    """A job's latest checkpoints (a chain's: each step's), which a rerun resumes from."""
+    pointers = [job_dir / "checkpoints" / "latest", *sorted(job_dir.glob("*/checkpoints/latest"))]
+    return [(p.parent / p.read_text().strip()).relative_to(job_dir).as_posix() for p in pointers if p.exists()]
+
+
+def collect(sweep_dir: Path, planned: list[list[str]] | None = None) -> list[dict]:
+    """A row per job: its recorded result (ok or failed); a job folder without one (the job's
+    process was killed, or is still running): "incomplete"; a job of ``planned`` (each job's
+    overrides) with no folder: "not started"."""
+    rows, seen = [], []
+    for job_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir()) if sweep_dir.is_dir() else []:
+        if (path := job_dir / RESULT_FILE).exists():
+            result = json.loads(path.read_text())
+        elif (overrides := _job_overrides(job_dir)) is not None:
+            saved = _checkpoints(job_dir)
+            where = (f"last checkpoint {', '.join(saved)}; a rerun of the sweep resumes it from there" if saved
+                     else "no checkpoint yet; a rerun of the sweep starts it again")
+            result = {"status": "incomplete", "overrides": overrides, "value": None, "wall_s": None, "metrics": {},
+                      "error": f"no result: the job's process stopped before the end (killed?) or is still running; "
+                               f"{where}"}
+        else:
+            continue
+        result["job"] = job_dir.name
         rows.append(result)
+        seen.append(result["overrides"])
+    for overrides in planned or []:
+        if overrides not in seen:
+            rows.append({"job": "", "status": "not started", "overrides": overrides, "value": None, "wall_s": None,
+                         "metrics": {}, "error": "the sweep stopped before this job started; rerun the sweep"})
     return rows
+
+
+def planned_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Every job's overrides, as Hydra's basic sweeper expands the sweep (its params, then the
+    command line); None for other sweepers (Optuna's trials are not known in advance)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeper = config.hydra.sweeper
+    if sweeper.get("_target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return None
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    overrides = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
 def _swept(rows: list[dict]) -> dict[str, list[str]]:
@@ -75,23 +127,25 @@ def write_tables(rows: list[dict], out: Path) -> dict[str, Path]:
     """results.csv and results.md sorted by the objective (failed jobs last), results.png plot."""
     if not rows:
         return {}
-    mode = rows[0]["mode"]
+    # Rows without a result (incomplete, not started) carry no objective: take it from one that does.
+    named = next((r for r in rows if r.get("objective")), {"objective": "objective", "mode": "max"})
+    objective_name, mode = named["objective"], named["mode"]
     ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["value"], reverse=mode == "max")
     ordered = ok + [r for r in rows if r["status"] != "ok"]
     metric_keys = sorted({k for r in ok for k, v in r["metrics"].items() if isinstance(v, int | float)})
-    header = ["rank", "job", "status", "overrides", f"objective ({rows[0]['objective']}, {mode})", "wall_s",
+    header = ["rank", "job", "status", "overrides", f"objective ({objective_name}, {mode})", "wall_s",
               *metric_keys, "error"]
     table = []
     for i, r in enumerate(ordered, 1):
         table.append([i if r["status"] == "ok" else "", r["job"], r["status"], " ".join(r["overrides"]),
-                      "" if r["value"] is None else f"{r['value']:.6g}", r["wall_s"],
+                      "" if r["value"] is None else f"{r['value']:.6g}", _fmt(r["wall_s"]),
                       *[_fmt(r["metrics"].get(k)) for k in metric_keys], (r.get("error") or "")[:200]])
     paths = {"csv": out / "results.csv", "md": out / "results.md", "png": out / "results.png"}
     with open(paths["csv"], "w", newline="") as f:
         csv.writer(f).writerows([header, *table])
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in table]
-    paths["md"].write_text(f"Sweep results, sorted by {rows[0]['objective']} ({mode}imize)\n\n" + "\n".join(lines) + "\n")
+    paths["md"].write_text(f"Sweep results, sorted by {objective_name} ({mode}imize)\n\n" + "\n".join(lines) + "\n")
     _plot(ok, paths["png"])
     return paths
 
@@ -127,10 +181,38 @@ def _plot(ok: list[dict], path: Path) -> None:
 
 
 class SweepTable(Callback):
-    """Hydra callback: when a multirun ends, write its results table and plot into the sweep folder."""
+    """Hydra callback: when a multirun ends, write its results table and plot into the sweep folder.
+
+    Hydra calls on_multirun_end only when every job returned. A job whose process dies (the OOM
+    killer, a SIGKILL) stops the whole multirun instead: joblib's pool breaks (TerminatedWorkerError)
+    and kills the job running beside it, submitit raises for the job without a result, and the jobs
+    not yet started never start. The table is then written when the process exits, naming every job:
+    the finished ones, the ones stopped mid-way (a rerun resumes them from their last checkpoint) and
+    the ones that never started."""
+
+    def __init__(self) -> None:
+        self.sweep_dir: Path | None = None
+        self.planned: list[list[str]] | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.planned = planned_jobs(config)
+        atexit.register(self._stopped_early)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        atexit.unregister(self._stopped_early)
         sweep_dir = Path(config.hydra.sweep.dir)
-        paths = write_tables(collect(sweep_dir), sweep_dir)
+        paths = write_tables(collect(sweep_dir, planned_jobs(config)), sweep_dir)
         if paths:
             print(f"[sweep] results: {paths['md']} {paths['csv']} {paths['png']}", flush=True)
+
+    def _stopped_early(self) -> None:
+        rows = collect(self.sweep_dir, self.planned)
+        if not any(r["job"] for r in rows):
+            return  # no job started: nothing to tell apart
+        paths = write_tables(rows, self.sweep_dir)
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete", "not started")}
+        print("[sweep] the sweep stopped before all its jobs returned: "
+              + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+              + f" of {len(rows)}. Run the same command again: finished jobs are skipped, stopped ones resume "
+              f"from their last checkpoint. results so far: {paths['md']} {paths['csv']}", flush=True)

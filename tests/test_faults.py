@@ -144,6 +144,36 @@ def test_rank_0_lost_mid_ppo_stops_the_launch_names_it_and_the_same_command_resu
     print(f"PPO: the launch stopped {took:.1f} s after rank 0 was killed")
 
 
+@pytest.mark.slow
+def test_a_hung_rank_fails_the_launch_after_the_collective_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: a stalled machine) keeps its sockets open, so only the
+    collective timeout frees the others: rank 0 fails after launch.collective_timeout_min, the
+    launcher stops, and the message names the rank that hung and the timeout."""
+    run_dir = tmp_path / "hung"
+    args = ["step=sft", "hardware=cpu-2rank", "zero=2", "step.max_steps=400", "step.eval_every_steps=0",
+            "checkpoint.every_steps=10", "launch.collective_timeout_min=0.15", f"launch.master_port={free_port()}",
+            *QUIET, f"run_dir={run_dir}"]
+    proc = start_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline, record = time.monotonic() + 300, run_dir / "ranks" / "rank1.json"
+    while not (_latest_step(run_dir) >= 10 and record.exists()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the rank hung"
+        time.sleep(0.05)
+    pid = json.loads(record.read_text())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:  # a failed test must not leave a stopped rank behind
+            os.kill(pid, signal.SIGKILL)
+    took = time.monotonic() - stopped_at
+    assert proc.returncode != 0
+    assert f"lost rank 1 (pid {pid} on " in out and "Timed out waiting 9000ms" in out, out[-3000:]
+    # 9 s of timeout, then the DeepSpeed launcher's 30 s grace before it kills a rank that ignores SIGTERM.
+    assert 9 <= took < 90, took
+    print(f"hung rank: the launch stopped {took:.1f} s after rank 1 hung (timeout 9 s)")
+
+
 def _file_size_limit(limit: int):
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
