@@ -44,7 +44,8 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
         f = chain_dir / "sft" / "metrics.jsonl"
         losses = [row["eval/loss"] for row in map(json.loads, f.open()) if "eval/loss" in row] if f.exists() else []
         # Whether SFT's own stop rule fired: it reads the select half (select/accuracy).
-        reached = sft.get("select/accuracy", -1.0) >= (step_stop := _sft_stop_at(chain_dir))
+        step_stop = sft.get("select/accuracy_bar", _sft_stop_at(chain_dir))
+        reached = sft.get("select/accuracy", -1.0) >= step_stop
         if len(losses) >= 2 and not reached and losses[-2] > 0:
             drop = (losses[-2] - losses[-1]) / losses[-2]
             if drop > pipe.sft_loss_still_falling:
@@ -55,6 +56,25 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
                            if step_stop < 2 and "select/accuracy" in sft else "")
                         + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
     return None
+
+
+def constant_answer_accuracy(rule, prompts: list[str], answers: list[str], top: int = 16) -> tuple[float, str]:
+    """The accuracy by ``rule`` on ``prompts`` of the best single answer given to all of them, among
+    the ``top`` most frequent of ``answers`` (the training answers), and that answer: what a policy
+    that ignores its prompt scores. Where one answer is often right (a count, a yes or no), a policy
+    that learned only that answer passes an absolute accuracy bar at its first evaluation."""
+    from collections import Counter
+
+    best = (0.0, "")
+    for answer, _ in Counter(answers).most_common(top):
+        best = max(best, (sum(rule(p, answer) for p in prompts) / len(prompts), answer))
+    return best
+
+
+def accuracy_bar(stop_at: float, constant: float) -> float:
+    """SFT's accuracy stop: ``stop_at`` (step.stop_at_accuracy) of the way from the best constant
+    answer's accuracy to 1; ``stop_at`` itself where no constant answer scores."""
+    return constant + stop_at * (1.0 - constant)
 
 
 def _sft_stop_at(chain_dir: Path) -> float:

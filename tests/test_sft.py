@@ -125,3 +125,53 @@ def test_sft_stops_on_one_half_of_the_held_out_prompts_and_reports_the_other(tmp
     assert [r["step"] for r in rows if "select/accuracy" in r] == [0, 5]
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 5]
     assert "eval/accuracy" not in next(r for r in rows if r["step"] == 5 and "select/accuracy" in r)
+
+
+def test_a_task_where_one_answer_is_often_right_raises_the_accuracy_stop_above_it(tmp_path, monkeypatch):
+    """Is the first letter a vowel? Four answers in five are ' no'. A policy that learned only ' no'
+    scores ~80% and passed the absolute 30% bar at its first evaluation; the bar is now 30% of the
+    way from the best constant answer's accuracy to 100%, so SFT goes on training."""
+    import random
+
+    from rlhf.readiness import accuracy_bar
+
+    rng = random.Random(0)
+    data = tmp_path / "vowel"
+    data.mkdir()
+
+    def row() -> dict:
+        first = rng.choice("aeiou") if rng.random() < 0.2 else rng.choice("bcdfghjklmnp")
+        w = [first] + [rng.choice("abcdefghijklmnop") for _ in range(3)]
+        right = " yes" if first in "aeiou" else " no"
+        return {"prompt": f" Human: vowel {' '.join(w)} Assistant:", "chosen": right,
+                "rejected": " no" if right == " yes" else " yes"}
+
+    for split, n in (("train", 800), ("eval", 128)):
+        (data / f"{split}.json").write_text(json.dumps([row() for _ in range(n)]))
+    (tmp_path / "vowel_rule.py").write_text(
+        "def score(prompt, answer):\n"
+        "    first = prompt.split('vowel', 1)[1].split()[0]\n"
+        "    return float(answer.strip() == ('yes' if first in 'aeiou' else 'no'))\n")
+    monkeypatch.chdir(tmp_path)
+    final = run(compose(["step.max_steps=10", "step.eval_every_steps=5", "step.eval_accuracy_prompts=128",
+                         "step.stop_at_accuracy=0.3", "step.max_new_tokens=4", "logging.progress_bar=false",
+                         f"data.sources=[{{path: {data}}}]", "data.rule=vowel_rule:score", f"run_dir={tmp_path / 'run'}"]))
+    constant = final["select/constant_accuracy"]
+    assert 0.7 < constant < 0.95 and final["select/accuracy_bar"] == pytest.approx(accuracy_bar(0.3, constant))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "select/accuracy" in line]
+    at_5 = next(r for r in rows if r["step"] == 5)
+    assert at_5["select/accuracy"] >= 0.3, "the policy learned the frequent answer by step 5 (the old bar's stop)"
+    assert final["step"] == 10 or final["select/accuracy"] >= final["select/accuracy_bar"], final["stopped_by"]
+
+
+def test_constant_answer_accuracy_and_the_bar_by_hand():
+    from rlhf.readiness import accuracy_bar, constant_answer_accuracy
+
+    def rule(prompt, answer):
+        return float(answer == prompt[-1])
+
+    # Answers "a" x3, "b" x2, "c" x1; prompts end in a, a, b, c: "a" is right for 2 of 4.
+    assert constant_answer_accuracy(rule, ["xa", "ya", "zb", "wc"], list("aaabbc")) == (0.5, "a")
+    assert constant_answer_accuracy(rule, ["xa", "ya", "zb", "wc"], list("aaabbc"), top=1) == (0.5, "a")
+    assert constant_answer_accuracy(rule, ["xb", "yb"], list("aaabbc"), top=1) == (0.0, "a")
+    assert accuracy_bar(0.3, 0.0) == 0.3 and accuracy_bar(0.3, 0.5) == pytest.approx(0.65)

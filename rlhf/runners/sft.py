@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf import memory, models, rewards, rollout
+from rlhf import memory, models, readiness, rewards, rollout
 from rlhf.config import Config
 from rlhf.data.blend import heldout_split
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
@@ -39,6 +39,13 @@ def perplexity(engine, loader) -> dict[str, float]:
     engine.train()
     mean = (totals[0] / totals[1].clamp(min=1)).item()
     return {"eval/loss": mean, "eval/ppl": math.exp(min(mean, 50.0))}
+
+
+def train_answers(train_ds, tokenizer, rows: int = 2000) -> list[str]:
+    """The answers (the tokens the loss is on) of the first ``rows`` training rows, as text."""
+    part = train_ds.select(range(min(rows, len(train_ds))))
+    return [tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX],
+                             skip_special_tokens=True) for ids, labels in zip(part["input_ids"], part["labels"], strict=True)]
 
 
 def run(cfg: Config) -> dict:
@@ -65,6 +72,15 @@ def run(cfg: Config) -> dict:
             rollout.prompt_dataset([{"prompt": eval_prompts[i]} for i in part], tokenizer, step_cfg.max_seq_len,
                                    report, "eval") for part in parts)
 
+    bar, constant = step_cfg.stop_at_accuracy, None
+    if bar is not None and select_prompts and step_cfg.loss_on == "answer":
+        constant, answer = readiness.constant_answer_accuracy(rule, [eval_prompts[i] for i in parts[0]],
+                                                              train_answers(train_ds, tokenizer))
+        bar = readiness.accuracy_bar(bar, constant)
+        if constant >= 0.01 and rank == 0:
+            common.say(f"[sft] the one answer {answer!r} is right for {constant:.1%} of the held-out prompts: SFT's "
+                       f"accuracy stop is {bar:.1%}, step.stop_at_accuracy={step_cfg.stop_at_accuracy} of the way "
+                       "from there to 100%")
     if step_cfg.stop_at_accuracy is not None and not select_prompts and rank == 0:
         common.say(f"[sft] no rule scores these prompts (data.rule), so held-out accuracy cannot be measured: "
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
@@ -79,6 +95,7 @@ def run(cfg: Config) -> dict:
     def evaluate(reported: bool) -> dict[str, float]:
         """Held-out loss, the select half's accuracy, and with ``reported`` the report half's."""
         return {**perplexity(engine, evaluation), **common.as_select(greedy(select_prompts)),
+                **({"select/accuracy_bar": bar, "select/constant_accuracy": constant} if constant is not None else {}),
                 **(greedy(report_prompts) if reported else {})}
 
     engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "model")
@@ -92,10 +109,11 @@ def run(cfg: Config) -> dict:
         """Evaluate, and whether a readiness rule says SFT is done (the reason in state.stopped_by)."""
         state.last, state.last_eval_step = evaluate(False), state.step
         logger.log({**state.last, "epoch": epoch}, step=state.step)
-        if select_prompts and step_cfg.stop_at_accuracy is not None and \
-                state.last["select/accuracy"] >= step_cfg.stop_at_accuracy:
+        if select_prompts and bar is not None and state.last["select/accuracy"] >= bar:
             state.stopped_by = (f"held-out accuracy {state.last['select/accuracy']:.3f} >= "
-                                f"step.stop_at_accuracy={step_cfg.stop_at_accuracy}")
+                                + (f"step.stop_at_accuracy={bar}" if bar == step_cfg.stop_at_accuracy else
+                                   f"{bar:.3f} (step.stop_at_accuracy={step_cfg.stop_at_accuracy} of the way from the "
+                                   "best constant answer's accuracy to 1)"))
             return True
         return state.judge(state.last, "eval/loss", False, step_cfg.early_stop_patience)
 
