@@ -197,16 +197,36 @@ def forecast_text(schema: Config) -> str:
         return f"forecast [{schema.step.name}]: none ({e})"
 
 
-def slurm_hostfile(schema: Config, run_dir: Path) -> str | None:
-    """Inside a SLURM allocation, the DeepSpeed hostfile of its nodes (written into the run directory)."""
+def slurm_hostfile(schema: Config, run_dir: Path) -> list[str]:
+    """Inside a SLURM allocation, its nodes (empty outside one), written as the DeepSpeed hostfile
+    RUN_DIR/hostfile (through a rename: every node's task writes it, and reads it)."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
-        return None
+        return []
     hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                            check=True).stdout.split()
-    path = run_dir / "hostfile"
-    path.write_text("".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
-    return str(path)
+    _write_whole(run_dir / "hostfile", "".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
+    schema.launch.hostfile = str(run_dir / "hostfile")
+    return hosts
+
+
+def slurm_node(schema: Config, hosts: list[str]) -> None:
+    """In a SLURM job step that runs launch.py once per node (hydra/launcher=slurm: srun with one task
+    per node), each task starts its own node's ranks (--no_ssh --node_rank SLURM_NODEID) with rank 0
+    on the allocation's first node, instead of every task starting every node over ssh. Another
+    count of tasks per node would start the ranks several times over: refused."""
+    tasks, nodes = os.environ.get("SLURM_STEP_NUM_TASKS"), os.environ.get("SLURM_STEP_NUM_NODES")
+    if not hosts or tasks is None or nodes is None or schema.launch.node_rank >= 0:
+        return  # not in an srun step (salloc, or a batch script itself): one launcher over ssh
+    if int(tasks) != int(nodes) or int(nodes) != schema.hardware.nodes:
+        raise ConfigError(f"this SLURM job step runs {tasks} task(s) on {nodes} node(s), but launch.py must run once "
+                          f"on each of hardware.nodes={schema.hardware.nodes} nodes (it starts that node's "
+                          f"{schema.hardware.devices_per_node} ranks itself): hydra.launcher.tasks_per_node=1 and "
+                          f"hydra.launcher.nodes={schema.hardware.nodes}")
+    schema.launch.node_rank = int(os.environ["SLURM_NODEID"])
+    schema.launch.master_addr = schema.launch.master_addr or hosts[0]
+    print(f"[slurm] node {schema.launch.node_rank} of {nodes}: starting its {schema.hardware.devices_per_node} "
+          f"rank(s); rank 0 on {schema.launch.master_addr}", flush=True)
 
 
 def hub_unreachable(repo_id: str) -> str | None:
@@ -299,7 +319,7 @@ def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command:
     write_forecast(schema, run_dir)
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:
         if schema.hardware.nodes > 1 and not schema.launch.hostfile:
-            schema.launch.hostfile = slurm_hostfile(schema, run_dir) or ""
+            slurm_node(schema, slurm_hostfile(schema, run_dir))
         from rlhf.models import resolve_path
 
         resolve_path(schema.model)  # once here, not once per rank (a hub id or folder costs nothing)

@@ -220,6 +220,8 @@ def _one_launch(todo: dict) -> bool:
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
-    tmp = path.with_suffix(".tmp")
+    # A crash mid-write leaves the previous manifest readable; on several nodes each writes its own
+    # temporary file (the same manifest) and the renames never interleave.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, path)  # a crash mid-write leaves the previous manifest readable
+    os.replace(tmp, path)

@@ -180,6 +180,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.slow  # make test fills the disk while the model is written (below)
 def test_a_full_disk_while_saving_keeps_the_last_checkpoint_says_what_it_needs_and_a_rerun_resumes(tmp_path):
     """A file-size limit (what `ulimit -f` sets; a full disk fails the same write) cuts a checkpoint
     write short: the half-written folder goes, `latest` still names the previous checkpoint, the run
@@ -219,3 +220,37 @@ def test_a_full_disk_while_writing_the_model_leaves_no_half_model_folder(tmp_pat
     assert line.startswith(f"disk error: cannot write the model model/ into {tmp_path}: "), line
     assert "It takes about" in line and "a file-size limit (ulimit -f) of 200.0 KB" in line
     assert not (tmp_path / "model").exists() and not (tmp_path / ".tmp-model").exists()
+
+
+def test_inside_a_slurm_job_step_each_node_starts_its_own_ranks(tmp_path, monkeypatch):
+    """hydra/launcher=slurm runs launch.py once per node under srun: each task starts its node's ranks
+    without ssh (--no_ssh --node_rank SLURM_NODEID), rank 0 on the allocation's first host, from a
+    hostfile written from the allocation. There is no SLURM here: `scontrol` is a script printing the
+    allocation's hosts, and the variables are those srun sets in a task."""
+    from rlhf.config import ConfigError, to_schema
+    from rlhf.launch_step import launch_command, slurm_hostfile, slurm_node
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nfor i in 1 2 3 4 5 6 7 8; do echo gpu-a0$i; done\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-a0[1-8]")
+
+    def in_task(**env: str):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        schema = to_schema(compose(["experiment=opt-66b_64xa100-80g"]))
+        slurm_node(schema, slurm_hostfile(schema, tmp_path))
+        return schema
+
+    schema = in_task(SLURM_STEP_NUM_TASKS="8", SLURM_STEP_NUM_NODES="8", SLURM_NODEID="3")
+    assert (tmp_path / "hostfile").read_text().splitlines()[::7] == ["gpu-a01 slots=8", "gpu-a08 slots=8"]
+    cmd = " ".join(launch_command(schema, [tmp_path]))
+    assert f"--hostfile {tmp_path / 'hostfile'} --master_addr gpu-a01" in cmd and "--no_ssh --node_rank 3" in cmd
+    with pytest.raises(ConfigError, match="runs 64 task.* on 8 node.*hydra.launcher.tasks_per_node=1"):
+        in_task(SLURM_STEP_NUM_TASKS="64")
+    # Not in an srun step (salloc, then python launch.py): one launcher starts every node over ssh.
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    schema = in_task()
+    assert schema.launch.node_rank == -1 and "--no_ssh" not in launch_command(schema, [tmp_path])
