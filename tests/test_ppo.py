@@ -405,6 +405,20 @@ def test_without_a_rule_the_run_says_it_cannot_tell_learning_from_hacking():
                          {"eval/rm_score": 1.7, "eval/accuracy": 0.5}, 3.5) is None
 
 
+def test_a_ppo_run_that_ends_still_improving_says_to_train_longer():
+    from rlhf.runners.ppo import still_rising
+
+    # 128 prompts at p=0.30: the noise of a difference is 2*sqrt(2*0.30*0.70/128) = 0.1146.
+    rising = [(0, 0.20), (25, 0.22), (50, 0.30), (75, 0.33), (100, 0.38), (125, 0.42), (150, 0.45)]
+    note = still_rising(rising, 128)
+    assert "rose 0.300 -> 0.450 over its last 4 evaluations (steps 50 -> 150, more than the 0.115 noise" in note
+    assert "pipeline.ppo.step.epochs=N" in note
+    assert still_rising(rising[:4], 128) is None, "too few evaluations to tell"
+    assert still_rising([*rising[:-1], (150, 0.40)], 128) is None, "its last evaluation was not its best"
+    flat = [(0, 0.30), (25, 0.36), (50, 0.38), (75, 0.37), (100, 0.38), (125, 0.39)]
+    assert still_rising(flat, 128) is None, "a rise within noise"
+
+
 def test_the_best_evaluated_actor_becomes_the_output_and_the_last_is_kept_beside_it(tmp_path, capsys):
     from rlhf.runners.ppo import _keep_best
 

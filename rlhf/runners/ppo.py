@@ -293,6 +293,24 @@ def hacking_warning(best: dict, now: dict, n_prompts: int) -> str | None:
     return None
 
 
+def still_rising(history: list[tuple[int, float]], n_prompts: int, window: int = 4) -> str | None:
+    """PPO ended while it was still learning: its last evaluation was its best, and the select half's
+    accuracy rose over the last ``window`` evaluations by more than two standard errors of the
+    difference between two evaluations of ``n_prompts`` prompts (noise alone rarely says so)."""
+    if len(history) < window + 1:
+        return None
+    (start_step, start), (end_step, end) = history[-window - 1], history[-1]
+    if end < max(acc for _, acc in history):
+        return None
+    noise = 2 * (2 * max(start * (1 - start), 0.01) / max(n_prompts, 1)) ** 0.5
+    if end - start <= noise:
+        return None
+    return (f"PPO was still improving when it stopped: held-out accuracy rose {start:.3f} -> {end:.3f} over its last "
+            f"{window} evaluations (steps {start_step} -> {end_step}, more than the {noise:.3f} noise of {n_prompts} "
+            "prompts) and its last evaluation was its best. Train it longer: step.epochs=N (in a chain "
+            "pipeline.ppo.step.epochs=N)")
+
+
 def unjudged_note(first: dict, last: dict, kl: float) -> str | None:
     """Without a rule, a rising reward score cannot be told from reward hacking: say so with the figures."""
     if "eval/accuracy" in last or "eval/rm_score" not in last or "eval/rm_score" not in first:
@@ -450,6 +468,7 @@ class Judge:
     gather_whole: bool
     best: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, select accuracy) of this process
 
     def evaluate(self, step: int, reported: bool, final_step: int) -> dict[str, float]:
         """Greedy answers to the select half (select/*), and to the reported half (eval/*) where
@@ -474,6 +493,7 @@ class Judge:
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples[:16])
         if "eval/accuracy" not in chosen:
             return metrics
+        self.history.append((step, chosen["eval/accuracy"]))
         if self.best and (why := hacking_warning(self.best["select"], chosen, len(self.prompts.select))) \
                 and not self.warnings:
             self.warnings.append(f"step {step}: {why}")
@@ -626,10 +646,11 @@ def _finish(cfg: Config, roles: Roles, judge: Judge, ema, step: int, first: dict
     moved = {f"{role}_weight_change": max(abs(a - b) for a, b in zip(param_fingerprint(eng), fingerprints[role],
                                                                         strict=True))
              for role, eng in (("actor", roles.actor), ("reference", roles.ref))}
-    if note := unjudged_note(first, last, last_kl):
-        judge.warnings.append(note)
-        if rank == 0:
-            say(f"[ppo] NOTE {note}")
+    for note in (unjudged_note(first, last, last_kl), still_rising(judge.history, len(judge.prompts.select))):
+        if note:
+            judge.warnings.append(note)
+            if rank == 0:
+                say(f"[ppo] NOTE {note}")
 
     def save_more(final: dict) -> None:
         if roles.critic is not None:
