@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from rlhf.config import ConfigError, to_schema
 from rlhf.launch import run
-from tests.conftest import compose
-from tests.test_resume import _kill_after, _same_result, _straight
+from tests.conftest import compose, same_run
+from tests.test_resume import _kill_after, _straight
 
 # 1280 pairs: the precomputed reference scores every pair once, whatever max_steps uses.
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64", "data.max_train_samples=1280"]
@@ -91,7 +91,7 @@ def test_dpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
     _straight(args, tmp_path / "a")
     _kill_after(args, tmp_path / "b", "loss", 6)
     _straight(args, tmp_path / "b")
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
 
 
 def test_dpo_config_errors_name_the_key():
@@ -137,7 +137,7 @@ def test_simpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
     _straight(args, tmp_path / "a")
     _kill_after(args, tmp_path / "b", "loss", 6)
     _straight(args, tmp_path / "b")
-    _same_result(tmp_path / "a", tmp_path / "b", "loss")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
 
 
 def test_sft_then_simpo_chain(tmp_path):
