@@ -33,6 +33,7 @@ from rlhf.config import (
     step_roles,
 )
 from rlhf.errors import DiskFullError
+from rlhf.files import write_whole
 
 # Environment variables that could carry secrets are never written into the run directory.
 _SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
@@ -60,21 +61,13 @@ def versions() -> dict:
             "transformers": transformers.__version__, "platform": platform.platform()}
 
 
-def _write_whole(path: Path, text: str) -> None:
-    """Write through a temporary file and a rename: on a multi-node run every node writes the same
-    run directory, and a rank must never read half a config.yaml."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command: list[str]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    _write_whole(run_dir / "command.txt", shlex.join(command) + "\n")
+    write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    write_whole(run_dir / "command.txt", shlex.join(command) + "\n")
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("RLHF_", "DS_", "OMP_", "CUDA_VISIBLE")) and not any(h in k for h in _SECRET_HINTS)}
-    _write_whole(run_dir / "run.json", json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
+    write_whole(run_dir / "run.json", json.dumps({"overrides": overrides, "git": git_state(), "versions": versions(),
                                                    "env": env}, indent=2))
 
 
@@ -205,7 +198,7 @@ def slurm_hostfile(schema: Config, run_dir: Path) -> list[str]:
         return []
     hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                            check=True).stdout.split()
-    _write_whole(run_dir / "hostfile", "".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
+    write_whole(run_dir / "hostfile", "".join(f"{h} slots={schema.hardware.devices_per_node}\n" for h in hosts))
     schema.launch.hostfile = str(run_dir / "hostfile")
     return hosts
 

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf import launch_step
 from rlhf.config import STEPS, Config, ConfigError, compose_config, to_schema
+from rlhf.files import write_whole
 from rlhf.readiness import weak_step
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
@@ -141,7 +142,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         else:
             why = weak_step(schema.pipeline, name, step_schema, chain_dir, list(planned))
             if why and schema.pipeline.on_weak_step == "stop":
-                _write_manifest(manifest_path, manifest)
+                write_whole(manifest_path, json.dumps(manifest, indent=2))
                 raise ConfigError(f"{STEPS[name].title} not started: {why}; or pipeline.on_weak_step=warn runs it anyway")
             if why:
                 print(f"[e2e] WARNING {STEPS[name].title} may not work: {why}", flush=True)
@@ -158,7 +159,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             entry["warnings"] = [f"ran though it may not work (pipeline.on_weak_step=warn): {why}"]
         entry.update(run_dir=str(step_dir), output=outputs[name], metrics=results[name])
         manifest["steps"][name] = entry
-        _write_manifest(manifest_path, manifest)
+        write_whole(manifest_path, json.dumps(manifest, indent=2))
 
     print(summary(planned, manifest, results, outputs), flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
@@ -219,9 +220,3 @@ def _one_launch(todo: dict) -> bool:
     return all((s.hardware, s.launch) == (schemas[0].hardware, schemas[0].launch) for s in schemas)
 
 
-def _write_manifest(path: Path, manifest: dict) -> None:
-    # A crash mid-write leaves the previous manifest readable; on several nodes each writes its own
-    # temporary file (the same manifest) and the renames never interleave.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, path)

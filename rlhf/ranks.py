@@ -18,6 +18,8 @@ import socket
 import time
 from pathlib import Path
 
+from rlhf.files import write_whole
+
 # Set by the process that starts the launcher (rlhf.launch_step.launch_ranks) for its ranks.
 ENV = "RLHF_RANKS_DIR"
 
@@ -31,9 +33,7 @@ def _write(record: dict) -> None:
     if (path := _path()) is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)  # a reader never sees half a record
+    write_whole(path, json.dumps(record))
 
 
 def _read() -> dict:

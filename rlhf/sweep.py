@@ -11,12 +11,13 @@ import atexit
 import csv
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from rlhf.files import write_whole
 
 # The number each step's sweeps optimize, and in which direction.
 OBJECTIVES: dict[str, tuple[str, str]] = {
@@ -42,10 +43,7 @@ def write_result(run_dir: Path, status: str, step: str, overrides: list[str], fi
               "value": objective(step, final or {}) if status == "ok" else None,
               "wall_s": round(wall_s, 1), "metrics": final or {}, "error": error}
     run_dir.mkdir(parents=True, exist_ok=True)
-    # Through a rename: on several nodes each node's launch.py records the same job.
-    tmp = run_dir / f".{RESULT_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, run_dir / RESULT_FILE)
+    write_whole(run_dir / RESULT_FILE, json.dumps(result, indent=2))  # on several nodes each node records the job
     return result
 
 
