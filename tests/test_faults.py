@@ -213,13 +213,16 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint_says_what_it_needs_a
 
 
 def test_a_full_disk_while_writing_the_model_leaves_no_half_model_folder(tmp_path):
-    args = ["step=sft", "step.max_steps=3", *QUIET, f"run_dir={tmp_path}"]
+    # The session's caches (random model, tokenized data) are built first, with room: only the run's
+    # own writes meet the limit, whichever tests ran before this one.
+    run(compose(["step=sft", "step.max_steps=1", "step.save_model=false", *QUIET, f"run_dir={tmp_path / 'warm'}"]))
+    args = ["step=sft", "step.max_steps=3", *QUIET, f"run_dir={tmp_path / 'run'}"]
     proc = run_cli(*args, preexec_fn=_file_size_limit(200_000))  # the tiny model's weights are ~4 MB
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"disk error: cannot write the model model/ into {tmp_path}: "), line
+    assert line.startswith(f"disk error: cannot write the model model/ into {tmp_path / 'run'}: "), line
     assert "It takes about" in line and "a file-size limit (ulimit -f) of 200.0 KB" in line
-    assert not (tmp_path / "model").exists() and not (tmp_path / ".tmp-model").exists()
+    assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / ".tmp-model").exists()
 
 
 def test_inside_a_slurm_job_step_each_node_starts_its_own_ranks(tmp_path, monkeypatch):
