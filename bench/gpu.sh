@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The framework on one GPU in one go: matmul rate, SFT TFLOP/s and MFU of a random OPT-1.3B shape,
-# and a PPO step (1.3B actor, 350M critic and reward model) by phase. bench/gpu_bench.py says what
+# the rollout decode loop against the memory bus's floor (default loop and the static step recorded
+# as a CUDA graph), and a PPO step (1.3B actor, 350M critic and reward model) by phase, both ways. bench/gpu_bench.py says what
 # each phase measures; results go to $BENCH_OUT (default runs/bench-gpu): summary.md, summary.json,
 # one JSON per phase, and the SFT and PPO run directories.
 #
-#   bash bench/gpu.sh                # one GPU: 2.5 min on an H200, random models built included
+#   bash bench/gpu.sh                # one GPU: under 10 min (phase limits) on an H200
 #   bash bench/gpu.sh zero=2         # extra Hydra overrides for the SFT and PPO runs
 #   bash bench/gpu.sh --tiny         # toy sizes on CPU: checks the script, not the speed
 #
@@ -33,10 +34,12 @@ phase() {  # phase NAME SECONDS [overrides...]
 }
 
 # Limits: a cold run on an H200 (random models built, CUDA and DeepSpeed started in each process)
-# took matmul 4 s, SFT 44 s, PPO 91 s; the limits leave room for a slower disk or GPU and still
-# keep the whole under 8 minutes.
-phase matmul 45
-phase sft 180 "$@"
-phase ppo 210 "$@"
+# took matmul 4 s, SFT 44 s, PPO 91 s; decode (4 rollouts of 64 x 512 tokens) is about a PPO
+# step's generation x 4 plus loading. The limits keep the whole under 10 minutes.
+phase matmul 30
+phase sft 120 "$@"
+phase decode 90
+phase ppo 150 "$@"
+phase ppo_graph 150 "$@"
 "$PYTHON" bench/gpu_bench.py report --out "$OUT" "${TINY[@]}" "$@"
 echo "=== total ${SECONDS}s"

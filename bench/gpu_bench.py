@@ -4,7 +4,7 @@ broken into phases with a 1.3B actor and a 350M critic (DeepSpeed-Chat's step-3 
 Each phase is one call of this script, so each gets a fresh process (clean peak-memory figures, no
 engine left over from the phase before); ``bench/gpu.sh`` runs them in order and writes the summary:
 
-    bash bench/gpu.sh                  # one GPU: 2.5 min on an H200, random models built included
+    bash bench/gpu.sh                  # one GPU: under 10 min (phase limits) on an H200
     bash bench/gpu.sh zero=2           # extra Hydra overrides go to the SFT and PPO runs
     bash bench/gpu.sh --tiny           # the same script at toy size on CPU (a smoke test, ~25 s)
     python bench/gpu_bench.py sft --out runs/bench-gpu [--tiny] [overrides]   # one phase
@@ -12,7 +12,9 @@ engine left over from the phase before); ``bench/gpu.sh`` runs them in order and
 Phases: ``matmul`` (the chip's bf16 matrix rate, measured, so MFU can be read against what the chip
 really does and not only against its datasheet), ``sft`` and ``ppo`` (the real runners through
 ``rlhf.launch.run``: engine factory, DeepSpeed, metrics.jsonl; warm-up steps excluded from every
-figure), ``report`` (summary.json and summary.md from the phases' JSON files).
+figure), ``decode`` (the rollout's decode loop alone, default against the static step recorded as
+a CUDA graph, beside the memory bus's floor), ``ppo_graph`` (``ppo`` with
+``step.decode_graph=true``), ``report`` (summary.json and summary.md from the phases' JSON files).
 
 The models are random (``random_init``): OPT architecture numbers with the framework's byte-level
 BPE tokenizer trained on the shipped data. The tokenizer has few real tokens, but the embedding
@@ -49,6 +51,8 @@ SETTINGS = {
         # 5 warm-up steps (cuBLAS handles, allocator growth) then 4 logged windows of 5.
         "sft": {"seq": 512, "micro": 16, "log_every": 5, "warmup_windows": 1, "windows": 4},
         "ppo": {"prompt": 256, "answer": 256, "rollouts": 64, "micro": 16, "warmup": 2, "measured": 4},
+        # The PPO phase's rollout alone: 64 rows of 256 + 256 tokens, each way timed twice after a warm-up.
+        "decode": {"prompt": 256, "answer": 256, "rows": 64, "repeats": 2, "copy_mb": 4096},
     },
     # Toy sizes for a CPU smoke test of the script itself; its figures mean nothing.
     "tiny": {
@@ -59,10 +63,13 @@ SETTINGS = {
         "matmul": {"n": 256, "dtype": "fp32"},
         "sft": {"seq": 64, "micro": 4, "log_every": 2, "warmup_windows": 1, "windows": 2},
         "ppo": {"prompt": 16, "answer": 16, "rollouts": 4, "micro": 2, "warmup": 1, "measured": 2},
+        "decode": {"prompt": 16, "answer": 16, "rows": 4, "repeats": 1, "copy_mb": 16},
     },
 }
 # Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts), in TFLOP/s.
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+# Memory bandwidth from the same datasheets, GB/s (H100 SXM 3.35 TB/s; A100 80GB SXM 2.04 TB/s).
+DATASHEET_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 
 
 def model_overrides(spec: dict) -> list[str]:
@@ -83,13 +90,13 @@ def hardware_overrides(tiny: bool) -> list[str]:
             f"hardware.memory_per_device_gb={props.total_memory // 2**30}"]
 
 
-def datasheet_peak() -> float | None:
+def datasheet_peak(table: dict = DATASHEET_BF16_TFLOPS) -> float | None:
     import torch
 
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(0)
-    return next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
+    return next((v for k, v in table.items() if k in name), None)
 
 
 def exact_text(tokenizer, n_tokens: int, rng: random.Random, special: bool) -> str:
@@ -199,7 +206,7 @@ def phase_sft(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
     return result
 
 
-def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str = "ppo") -> dict:
     from rlhf import models
     from rlhf.config import compose_config
     from rlhf.launch import run
@@ -213,7 +220,7 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
     rows = [{"prompt": exact_text(tokenizer, s["prompt"], rng, True), "chosen": " a", "rejected": " b"}
             for _ in range(s["rollouts"] * (steps + 1))]
     write_rows(out / "data-ppo", rows, s["rollouts"])
-    overrides = [*model_overrides(settings["actor"]), "step=ppo", *common_overrides(out, "ppo", tiny, out / "data-ppo",
+    overrides = [*model_overrides(settings["actor"]), "step=ppo", *common_overrides(out, name, tiny, out / "data-ppo",
                                                                                    "0,0,1"),
                  f"actor.path={actor}", f"critic.path={critic}", f"reward.path={critic}",
                  f"step.rollout_batch_size_per_device={s['rollouts']}", f"step.micro_batch_size_per_device={s['micro']}",
@@ -224,7 +231,7 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     run(cfg)
     wall = time.perf_counter() - t0
-    logged = [json.loads(line) for line in open(out / "ppo" / "metrics.jsonl") if "step_s" in line]
+    logged = [json.loads(line) for line in open(out / name / "metrics.jsonl") if "step_s" in line]
     measured = logged[s["warmup"]:]
     med = {k: median_of(measured, k) for k in ("generate_s", "experience_s", "train_s", "other_s", "step_s",
                                                  "samples_per_s", "tflops")}
@@ -244,6 +251,77 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
     return result
 
 
+def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+    """The rollout's decode loop alone on the PPO phase's actor and shapes (eos suppressed, every row
+    decodes ``answer`` tokens), the default loop against the static step (``rlhf.decode``'s
+    ``static``: recorded once as a CUDA graph, replayed per token), in ms per decoding step, beside
+    the floor the memory bus sets: a decoding step must read every weight and the KV cache up to its
+    position once, so at the mean position (prompt + answer / 2) the floor is those bytes over the
+    bandwidth, both the measured one (a large device-to-device copy: read + written bytes / time)
+    and the datasheet's."""
+    import torch
+
+    from rlhf import models
+    from rlhf.decode import decode
+
+    s, spec = settings["decode"], settings["actor"]
+    path, _ = build_model(spec)
+    tokenizer = models.load_tokenizer(path)
+    device = "cpu" if tiny else "cuda"
+    dtype = torch.float32 if tiny else torch.bfloat16
+    model = models.load_causal_lm(path, tokenizer, dtype).to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, len(tokenizer), (s["rows"], s["prompt"]), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+
+    def timed(fn) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def run(static: bool):
+        return decode(model, ids, mask, s["answer"], tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample=True,
+                      temperature=0.7, min_new_tokens=s["answer"], with_logprobs=True, static=static)
+
+    result = {"model": spec["name"], "rows": s["rows"], "prompt_tokens": s["prompt"], "answer_tokens": s["answer"],
+              "precision": "fp32" if tiny else "bf16"}
+    for name, static in (("default", False), ("static_graph", True)):
+        run(static)  # warm-up: kernels chosen, allocator grown (and, static, one recording)
+        seconds = min(timed(lambda static=static: run(static)) for _ in range(s["repeats"]))
+        result[f"{name}_ms_per_token"] = round(1e3 * seconds / s["answer"], 3)
+        result[f"{name}_tokens_per_s"] = round(s["rows"] * s["answer"] / seconds, 1)
+    torch.manual_seed(0)
+    a = run(False)
+    torch.manual_seed(0)
+    b = run(True)
+    result["same_tokens"] = bool(torch.equal(a[0], b[0]))
+    result["max_logprob_diff"] = float((a[1] - b[1]).abs().max())
+
+    # Bytes one decoding step reads: the weights, and keys + values of every layer up to the mean position.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = 2 * spec["num_layers"] * spec["hidden_size"] * torch.finfo(dtype).bits // 8
+    mean_position = s["prompt"] + s["answer"] / 2
+    step_bytes = weight_bytes + s["rows"] * mean_position * kv_bytes_per_token
+    src = torch.empty(s["copy_mb"] * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = min(timed(lambda: dst.copy_(src)) for _ in range(5))
+    measured_gbs = 2 * src.numel() / copy_s / 1e9
+    sheet = datasheet_peak(DATASHEET_GBS)
+    result.update(weight_gb=round(weight_bytes / 1e9, 3), kv_gb_at_mean=round((step_bytes - weight_bytes) / 1e9, 3),
+                  measured_copy_gbs=round(measured_gbs, 1), datasheet_gbs=sheet,
+                  floor_ms_measured=round(1e3 * step_bytes / (measured_gbs * 1e9), 3))
+    if sheet:
+        result["floor_ms_datasheet"] = round(1e3 * step_bytes / (sheet * 1e9), 3)
+    for name in ("default", "static_graph"):
+        result[f"{name}_over_floor"] = round(result[f"{name}_ms_per_token"] / result["floor_ms_measured"], 2)
+    return result
+
+
 def param_count(path: str) -> int:
     """Parameters of the causal LM in ``path`` (tied embeddings counted once), built on the meta
     device: no memory, no weights read."""
@@ -258,7 +336,7 @@ def param_count(path: str) -> int:
 def phase_report(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
     import torch
 
-    phases = {p: json.loads((out / f"{p}.json").read_text()) for p in ("matmul", "sft", "ppo")
+    phases = {p: json.loads((out / f"{p}.json").read_text()) for p in ("matmul", "sft", "decode", "ppo", "ppo_graph")
               if (out / f"{p}.json").exists()}
     failed = sorted(p.stem for p in out.glob("*.failed"))
     peak = datasheet_peak()
@@ -300,21 +378,38 @@ def markdown(summary: dict) -> str:
                      f"{s['precision']}: {s['tokens_per_s']:.0f} tokens/s, {s['tflops']:.1f} TFLOP/s{mfu}{frac}; "
                      f"{s['latency_s']:.3f} s/step, peak {s['memory_gb']} GB (median of {s['measured_steps']} steps "
                      f"after {s['warmup_steps']} warm-up)")
-    if p := summary.get("ppo"):
-        lines.append(f"- PPO actor {p['actor']} ({p['actor_params_m']}M), critic and reward {p['critic_and_reward']} "
-                     f"({p['critic_params_m']}M), {p['rollouts']} rollouts "
-                     f"of {p['prompt_tokens']} + {p['answer_tokens']:.0f} tokens, micro batch {p['micro_batch']}, "
-                     f"ZeRO-{p['zero_stage']}, {p['precision']}: step {p['step_s']:.2f} s = generate "
-                     f"{p['generate_s']:.2f} + scoring {p['scoring_s']:.2f} + train {p['train_s']:.2f} + other "
-                     f"{p['other_s']:.2f}; {p['generated_tokens_per_s']:.0f} generated tokens/s, "
-                     f"{p['samples_per_s']:.2f} samples/s, {p['tflops']:.1f} TFLOP/s, peak {p['memory_gb']} GB "
-                     f"(median of {p['measured_steps']} steps after {p['warmup_steps']} warm-up)")
+    if d := summary.get("decode"):
+        lines.append(f"- decode {d['model']}, {d['rows']} rows of {d['prompt_tokens']} + {d['answer_tokens']} tokens, "
+                     f"{d['precision']}: default loop {d['default_ms_per_token']} ms/token "
+                     f"({d['default_over_floor']}x the bandwidth floor), static step recorded as a graph "
+                     f"{d['static_graph_ms_per_token']} ms/token ({d['static_graph_over_floor']}x); floor "
+                     f"{d['floor_ms_measured']} ms (weights {d['weight_gb']} GB + KV cache {d['kv_gb_at_mean']} GB at "
+                     f"the mean position over the measured {d['measured_copy_gbs']} GB/s"
+                     + (f"; {d['floor_ms_datasheet']} ms at the datasheet's {d['datasheet_gbs']:.0f} GB/s" if d.get(
+                         "floor_ms_datasheet") else "") + f"); same tokens: {d['same_tokens']}, log-probs within "
+                     f"{d['max_logprob_diff']:.1e}")
+    for key, label in (("ppo", "PPO"), ("ppo_graph", "PPO, step.decode_graph=true")):
+        if p := summary.get(key):
+            lines.append(f"- {label}: actor {p['actor']} ({p['actor_params_m']}M), critic and reward {p['critic_and_reward']} "
+                         f"({p['critic_params_m']}M), {p['rollouts']} rollouts "
+                         f"of {p['prompt_tokens']} + {p['answer_tokens']:.0f} tokens, micro batch {p['micro_batch']}, "
+                         f"ZeRO-{p['zero_stage']}, {p['precision']}: step {p['step_s']:.2f} s = generate "
+                         f"{p['generate_s']:.2f} + scoring {p['scoring_s']:.2f} + train {p['train_s']:.2f} + other "
+                         f"{p['other_s']:.2f}; {p['generated_tokens_per_s']:.0f} generated tokens/s, "
+                         f"{p['samples_per_s']:.2f} samples/s, {p['tflops']:.1f} TFLOP/s, peak {p['memory_gb']} GB "
+                         f"(median of {p['measured_steps']} steps after {p['warmup_steps']} warm-up)")
     if summary["failed_phases"]:
         lines.append(f"- failed: {', '.join(summary['failed_phases'])} (see the log)")
     return "\n".join(lines) + "\n"
 
 
-PHASES = {"matmul": phase_matmul, "sft": phase_sft, "ppo": phase_ppo, "report": phase_report}
+def phase_ppo_graph(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+    """The PPO phase with its rollouts through the static decode step recorded as a CUDA graph."""
+    return phase_ppo(settings, out, tiny, ["step.decode_graph=true", *extra], "ppo_graph")
+
+
+PHASES = {"matmul": phase_matmul, "sft": phase_sft, "decode": phase_decode, "ppo": phase_ppo,
+          "ppo_graph": phase_ppo_graph, "report": phase_report}
 
 
 def main() -> None:

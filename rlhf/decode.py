@@ -94,7 +94,7 @@ def _llama_forward(model, ids, cache, start, mask):
         half = sin.shape[-1] // 2
         # [batch, 1, length, head_dim], rotate-half's sign folded into sin (see _rotate).
         cache.tables["rope"] = cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
-    cos, sin = (c[:, :, start:start + ids.shape[1]] for c in cache.tables["rope"])
+    cos, sin = (cache.window(c, 2, start, ids.shape[1]) for c in cache.tables["rope"])
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -113,7 +113,7 @@ def _opt_forward(model, ids, cache, start, mask):
     # The embedding's row index of every position once (not the vectors: batch x length x hidden).
     if "rows" not in cache.tables:
         cache.tables["rows"] = cache.positions + dec.embed_positions.offset
-    h = h + dec.embed_positions.weight[cache.tables["rows"][:, start:start + ids.shape[1]]]
+    h = h + dec.embed_positions.weight[cache.window(cache.tables["rows"], 1, start, ids.shape[1])]
     for i, layer in enumerate(dec.layers):
         attn, pre = layer.self_attn, layer.do_layer_norm_before
         x = layer.self_attn_layer_norm(h) if pre else h
@@ -136,7 +136,19 @@ def _opt_forward(model, ids, cache, start, mask):
 
 
 # Family forwards by transformers class name; a family not here decodes through its own forward.
-FORWARDS = {"LlamaForCausalLM": _llama_forward, "OPTForCausalLM": _opt_forward}
+# Qwen2 and Mistral are LLaMA's layers (Qwen2 with biases on q/k/v, which the module calls apply)
+# plus a sliding attention window, which our forward does not apply: ``_own_forward`` takes them
+# only where the window cannot bind (see ``_window``).
+FORWARDS = {"LlamaForCausalLM": _llama_forward, "OPTForCausalLM": _opt_forward,
+            "Qwen2ForCausalLM": _llama_forward, "MistralForCausalLM": _llama_forward}
+
+
+def _window(base) -> int | None:
+    """The sliding attention window a Qwen2 / Mistral model applies, None where it applies none."""
+    config = base.config
+    if type(base).__name__ == "Qwen2ForCausalLM" and not getattr(base.model, "has_sliding_layers", False):
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -156,33 +168,51 @@ class _Cache:
     """Keys and values for prompt + answer, allocated once: [batch, kv_heads, length, head_dim] per
     layer, in ``dtype`` (None: the model's), where the attention also runs; every position id of
     prompt + answer [batch, length], and the family forward's per-position tables computed from them
-    once (rotations, position embeddings)."""
+    once (rotations, position embeddings).
+
+    ``start`` (where a forward's tokens go) is a Python int on the eager path and a one-element
+    device tensor on the static one (``_StaticSteps``): there every shape is fixed and the position
+    lives on the device, so the step records once as a CUDA graph and replays."""
 
     def __init__(self, positions: torch.Tensor, dtype: torch.dtype | None = None):
         self.positions, self.length, self.dtype = positions, positions.shape[1], dtype
         self.keys, self.values, self.tables = {}, {}, {}
 
-    def attend(self, layer: int, q, k, v, start: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    @staticmethod
+    def window(table: torch.Tensor, dim: int, start, n: int) -> torch.Tensor:
+        """``n`` entries of ``table`` along ``dim`` from ``start`` (the static path's n is 1)."""
+        return table.narrow(dim, start, n) if isinstance(start, int) else table.index_select(dim, start)
+
+    def attend(self, layer: int, q, k, v, start, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this chunk's keys/values at ``start`` and attend over the cache up to its end under
-        ``mask`` [batch, 1, time, end]; the output as [batch, time, heads * head_dim]."""
-        end = start + k.shape[2]
+        ``mask`` [batch, 1, time, end] (static path: over the whole cache, ``mask`` as long); the
+        output as [batch, time, heads * head_dim]."""
         if layer not in self.keys:
             shape = (k.shape[0], k.shape[1], self.length, k.shape[3])
             dtype = self.dtype or k.dtype
-            self.keys[layer], self.values[layer] = k.new_empty(shape, dtype=dtype), v.new_empty(shape, dtype=dtype)
-        self.keys[layer][:, :, start:end] = k
-        self.values[layer][:, :, start:end] = v
-        keys = self.keys[layer]
-        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys[:, :, :end], self.values[layer][:, :, :end],
-                                             attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            # Zeros, not empty: the static path attends over positions not written yet (masked out),
+            # and a NaN of uninitialized memory would survive the mask (NaN * 0 weight is NaN).
+            self.keys[layer], self.values[layer] = k.new_zeros(shape, dtype=dtype), v.new_zeros(shape, dtype=dtype)
+        keys, values = self.keys[layer], self.values[layer]
+        if isinstance(start, int):
+            end = start + k.shape[2]
+            keys[:, :, start:end], values[:, :, start:end] = k, v
+            keys, values = keys[:, :, :end], values[:, :, :end]
+        else:
+            keys.index_copy_(2, start, k.to(keys.dtype))
+            values.index_copy_(2, start, v.to(values.dtype))
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
-def _own_forward(model):
-    """The family forward for ``model`` when every weight of it is present, else None."""
+def _own_forward(model, length: int = 0):
+    """The family forward for ``model`` when every weight of it is present (and, for a family with a
+    sliding window, when ``length`` tokens fit in it), else None."""
     base = _base(model)
     forward = FORWARDS.get(type(base).__name__)
-    if forward is None:
+    window = _window(base) if forward is _llama_forward else None
+    if forward is None or (window is not None and length > window):
         return None
     # ZeRO-3 partitions (ds_status NOT_AVAILABLE) are gathered by hooks on the model's own forward only.
     if any(getattr(p, "ds_status", None) is not None and p.ds_status.name != "AVAILABLE" for p in base.parameters()):
@@ -190,10 +220,16 @@ def _own_forward(model):
     return lambda *args: forward(base, *args)
 
 
+# The static path looks at "has every row ended?" once per this many tokens: each look waits for the
+# device (a host synchronization), which a replayed CUDA graph otherwise never does. Tokens decoded
+# past the end are padding and are trimmed, so the output is the same as looking every token.
+STATIC_CHECK_EVERY = 16
+
+
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
            pad_id: int, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           min_new_tokens: int = 0, synced: bool = False, with_logprobs: bool = False):
+           min_new_tokens: int = 0, synced: bool = False, with_logprobs: bool = False, static: bool = False):
     """New tokens [batch, <= max_new_tokens] for left-padded prompts; after a row's eos, pad.
 
     ``with_logprobs``: (tokens, logprobs), each new token's log-probability under the softmax of
@@ -201,14 +237,28 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     (0 after eos) -- what PPO's ratio divides by, taken from the logits that sampled instead of a
     second forward over the finished sequences. Top-k / top-p are not in these log-probs: PPO
     refuses them (rlhf.config.PPOStepConfig).
+
+    ``static``: the one-token step with every shape fixed (``_StaticSteps``), recorded once as a
+    CUDA graph and replayed per token on a GPU, and the all-rows-ended check every
+    ``STATIC_CHECK_EVERY`` tokens; the same tokens and log-probs as the default loop. Families
+    without a forward of ours decode the default way (a one-line notice says so).
     """
-    own = _own_forward(model)
-    step = _own_steps(own, input_ids, attention_mask, max_new_tokens) if own else \
-        _model_steps(model, input_ids, attention_mask)
+    own = _own_forward(model, input_ids.shape[1] + max_new_tokens)
+    if static and own is None:
+        _notice(f"[decode] {type(_base(model)).__name__}: no static decode step for this family (rlhf.decode.FORWARDS)"
+                " or its weights are partitioned (ZeRO-3 without gathering whole); decoding through its own forward")
+        static = False
+    if static:
+        step = _StaticSteps(own, input_ids, attention_mask, max_new_tokens)
+    elif own:
+        step = _own_steps(own, input_ids, attention_mask, max_new_tokens)
+    else:
+        step = _model_steps(model, input_ids, attention_mask)
+    check_every = STATIC_CHECK_EVERY if static else 1
     batch = input_ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(done, pad_id, dtype=input_ids.dtype)
-    tokens, logprobs = [], []
+    tokens, logprobs, ended = [], [], []
     eos = torch.tensor([eos_id], device=input_ids.device)
     logits = step(None)
     for t in range(max_new_tokens):
@@ -222,19 +272,57 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         if with_logprobs:  # of the distribution that drew (eos excluded before min_new_tokens)
             logprobs.append(token_logprobs(scaled, tok).masked_fill(done, 0.0))
         done = done | (tok == eos_id)
-        finished = done.all()
-        # Every rank runs as many forwards as the slowest where the model's forward gathers ZeRO-3
-        # weights (collectives); our own forward runs none.
-        if synced and own is None:
-            flag = (~finished).float().reshape(1)
-            dist.all_reduce(flag)
-            finished = flag.item() == 0
-        if finished or t == max_new_tokens - 1:
+        ended.append(done)
+        if t == max_new_tokens - 1:
             break
+        if (t + 1) % check_every == 0:
+            finished = done.all()
+            # Every rank runs as many forwards as the slowest where the model's forward gathers ZeRO-3
+            # weights (collectives); our own forward runs none.
+            if synced and own is None:
+                flag = (~finished).float().reshape(1)
+                dist.all_reduce(flag)
+                finished = flag.item() == 0
+            if finished:
+                break
         logits = step(tok)
-    if with_logprobs:
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
-    return torch.stack(tokens, dim=1)
+    # Cut what was decoded after every row had ended (the static path looks only every few tokens):
+    # the length the every-token check stops at, so both paths return the same tensor.
+    length = min(int((~torch.stack(ended, dim=1)).sum(1).max()) + 1, len(tokens)) if check_every > 1 else len(tokens)
+    out = torch.stack(tokens[:length], dim=1)
+    return (out, torch.stack(logprobs[:length], dim=1)) if with_logprobs else out
+
+
+_told: set[str] = set()
+
+
+def _notice(line: str) -> None:
+    """Say ``line`` once per process (decode runs per rollout batch)."""
+    if line not in _told:
+        _told.add(line)
+        print(line, flush=True)
+
+
+def _positions(attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Position ids of prompt + answer [batch, prompt + max_new_tokens], counted over valid tokens."""
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return torch.cat([pos, pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=pos.device)], dim=1)
+
+
+def _cache_dtype(device: torch.device) -> torch.dtype | None:
+    # On CPU a bf16 model's one-query attention ran 3-4x slower than the same attention in fp32 (4 rows
+    # x 8 heads x 65-128 keys: 135-270 us against 33-79 us, torch 2.13), a fifth of each token's time
+    # in the PPO bench: there the cache and the attention stay fp32 (the projections keep the model's
+    # dtype). GPUs have fast half-precision attention and keep the model's dtype.
+    return torch.float32 if device.type == "cpu" else None
+
+
+def _prompt_mask(valid: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The prompt attends causally over its own valid tokens; a padding position attends to itself
+    too, so that no row of the softmax is empty (its output is never read)."""
+    at = torch.arange(prompt, device=valid.device)
+    return (valid[..., :prompt] & (at[None, :] <= at[:, None])) | torch.eye(prompt, dtype=torch.bool,
+                                                                               device=valid.device)
 
 
 def _own_steps(own, input_ids, attention_mask, max_new_tokens):
@@ -243,29 +331,76 @@ def _own_steps(own, input_ids, attention_mask, max_new_tokens):
     device = input_ids.device
     valid = torch.ones(batch, 1, 1, prompt + max_new_tokens, dtype=torch.bool, device=device)
     valid[..., :prompt] = attention_mask.bool()[:, None, None]
-    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)], dim=1)
-    # On CPU a bf16 model's one-query attention ran 3-4x slower than the same attention in fp32 (4 rows
-    # x 8 heads x 65-128 keys: 135-270 us against 33-79 us, torch 2.13), a fifth of each token's time
-    # in the PPO bench: there the cache and the attention stay fp32 (the projections keep the model's
-    # dtype). GPUs have fast half-precision attention and keep the model's dtype.
-    cache = _Cache(pos, torch.float32 if device.type == "cpu" else None)
+    cache = _Cache(_positions(attention_mask, max_new_tokens), _cache_dtype(device))
     state = {"at": prompt}
 
     def step(tok):
         if tok is None:
-            # The prompt attends causally over its own valid tokens; a padding position attends to
-            # itself too, so that no row of the softmax is empty (its output is never read).
-            at = torch.arange(prompt, device=device)
-            mask = (valid[..., :prompt] & (at[None, :] <= at[:, None])) | torch.eye(prompt, dtype=torch.bool,
-                                                                                      device=device)
-            return own(input_ids, cache, 0, mask)
+            return own(input_ids, cache, 0, _prompt_mask(valid, prompt))
         # Sliced once per token, contiguous: attention over a strided mask costs twice as much, per layer.
         mask = valid[..., :state["at"] + 1].contiguous()
         logits = own(tok.unsqueeze(1), cache, state["at"], mask)
         state["at"] += 1
         return logits
     return step
+
+
+class _StaticSteps:
+    """The steps of ``_own_steps`` with every per-token shape fixed: each token's forward attends over
+    the whole cache (prompt + max_new_tokens) under a mask that opens one position per token in
+    place, and the position is a device tensor advanced in place. Nothing in a token's step
+    (``token``) reads a value back to the host or changes shape, so on a GPU it is recorded once as a
+    CUDA graph (after the prompt's forward has built the cache and its tables) and replayed for every
+    token: one launch instead of a few hundred kernel launches from Python. On CPU the same step runs
+    eagerly (attending over the whole cache costs more there than the default loop's growing slice)."""
+
+    def __init__(self, own, input_ids, attention_mask, max_new_tokens):
+        batch, self.prompt = input_ids.shape
+        device = input_ids.device
+        self.own, self.input_ids, self.max_new_tokens = own, input_ids, max_new_tokens
+        self.valid = torch.zeros(batch, 1, 1, self.prompt + max_new_tokens, dtype=torch.bool, device=device)
+        self.valid[..., :self.prompt] = attention_mask.bool()[:, None, None]
+        self.cache = _Cache(_positions(attention_mask, max_new_tokens), _cache_dtype(device))
+        self.at = torch.full((1,), self.prompt, dtype=torch.long, device=device)
+        self.tok = torch.zeros(batch, 1, dtype=input_ids.dtype, device=device)
+        self.graph = self.out = None
+
+    def token(self) -> torch.Tensor:
+        """One token's forward from ``self.tok`` at ``self.at``; the logits [batch, vocab]."""
+        self.valid.index_fill_(-1, self.at, True)
+        logits = self.own(self.tok, self.cache, self.at, self.valid)
+        self.at.add_(1)
+        return logits
+
+    def __call__(self, tok):
+        if tok is None:
+            logits = self.own(self.input_ids, self.cache, 0, _prompt_mask(self.valid, self.prompt))
+            if self.input_ids.device.type == "cuda":
+                self.graph, self.out = self._record()
+            return logits
+        self.tok.copy_(tok.unsqueeze(1))
+        if self.graph is None:
+            return self.token()
+        self.graph.replay()
+        return self.out
+
+    def _record(self):
+        """Record ``token`` as a CUDA graph: a few warm-up runs on a side stream (as capture requires),
+        the position and mask put back (the warm-up's cache writes sit at positions the real steps
+        overwrite before they read them), then one capture, which launches nothing. Returns the graph
+        and its output buffer, rewritten by every replay."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(min(2, self.max_new_tokens)):
+                self.token()
+        torch.cuda.current_stream().wait_stream(side)
+        self.at.fill_(self.prompt)
+        self.valid[..., self.prompt:] = False
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.token()
+        return graph, out
 
 
 def _model_steps(model, input_ids, attention_mask):

@@ -169,9 +169,10 @@ def gathered_whole(engine):
 @torch.no_grad()
 def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0, gather_whole: bool = False,
-             with_logprobs: bool = False):
+             with_logprobs: bool = False, static: bool = False):
     """Answers (response tokens only) for a left-padded prompt batch; stops at eos. With
-    ``with_logprobs``, (answers, their log-probs at the temperature) as ``decode`` gives them.
+    ``with_logprobs``, (answers, their log-probs at the temperature) as ``decode`` gives them;
+    ``static``: through the static (CUDA-graph) decode step, ``decode``'s ``static``.
 
     Under ZeRO-3, ``gather_whole`` (``rlhf.memory.generation_gathers_whole_model``) holds the whole
     actor gathered for the call; otherwise ZeRO-3's hooks gather one layer at a time, every token.
@@ -186,7 +187,8 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
         # no hook and skip the sync.
         out = decode(actor.module, batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device),
                      max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample, temperature, top_k,
-                     top_p, min_new_tokens, synced=zero3 and dist.get_world_size() > 1, with_logprobs=with_logprobs)
+                     top_p, min_new_tokens, synced=zero3 and dist.get_world_size() > 1, with_logprobs=with_logprobs,
+                     static=static)
     actor.train()
     return out
 

@@ -112,8 +112,9 @@ def test_lora_wrapped_model_decodes_and_scores_like_the_bare_one(family):
 def _config_model(family: str):
     """Small random models of the shapes the family forwards must handle beyond the tiny defaults:
     grouped-query attention and llama3 rope scaling; OPT-350m's post-norm layers with projections
-    in and out of a narrower embedding; and a family without a forward of ours (GPT-2)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+    in and out of a narrower embedding; Qwen2 (LLaMA's layers with q/k/v biases); a family without
+    a forward of ours (GPT-2), and Mistral with a sliding window shorter than the sequences."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     configs = {
         "llama-gqa-rope3": LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -125,6 +126,11 @@ def _config_model(family: str):
                                     num_hidden_layers=2, num_attention_heads=4, do_layer_norm_before=False,
                                     max_position_embeddings=64),
         "gpt2": GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+        "qwen2": Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        "mistral-window8": MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         sliding_window=8),
     }
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(configs[family], attn_implementation="sdpa").eval()
@@ -138,7 +144,7 @@ def _left_padded(vocab: int):
     return ids.masked_fill(mask == 0, 1), mask
 
 
-@pytest.mark.parametrize("family", ["llama", "opt", "llama-gqa-rope3", "opt-350m-shape"])
+@pytest.mark.parametrize("family", ["llama", "opt", "llama-gqa-rope3", "opt-350m-shape", "qwen2"])
 def test_own_forward_gives_the_model_s_logits_at_every_step(family):
     """Our family forward (preallocated cache, one attention call per layer) against the model's own
     forward, token by token over a left-padded batch: the same logits to float precision."""
@@ -157,13 +163,19 @@ def test_own_forward_gives_the_model_s_logits_at_every_step(family):
             tok = b.argmax(-1)
 
 
-def test_a_family_without_our_forward_decodes_through_its_own():
-    model = _config_model("gpt2")
+@pytest.mark.parametrize("family", ["gpt2", "mistral-window8"])
+def test_a_family_without_our_forward_decodes_through_its_own(family, capsys):
+    """GPT-2 has no forward of ours; Mistral's has none where its sliding window (8) is shorter than
+    prompt + answer (16): ours would attend past the window. Both decode through the model's own
+    forward to generate's tokens, and the static path says so in one line and does the same."""
+    model = _config_model(family)
     from rlhf.decode import _own_forward
 
-    assert _own_forward(model) is None
+    assert _own_forward(model, 16) is None
     ids, mask = _left_padded(model.config.vocab_size)
     ours = decode(model, ids, mask, 6, eos_id=2, pad_id=1)
+    assert torch.equal(decode(model, ids, mask, 6, eos_id=2, pad_id=1, static=True), ours)
+    assert "no static decode step" in capsys.readouterr().out
     theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                             eos_token_id=2, pad_token_id=1)[:, ids.shape[1]:]
     assert torch.equal(ours, theirs[:, :ours.shape[1]])
@@ -232,3 +244,89 @@ def test_a_bf16_model_decodes_as_close_to_fp32_as_its_own_forward(family):
             a, b = ours(tok).float(), theirs(tok).float()
             assert (a - want).abs().max() <= 1.5 * (b - want).abs().max() + 1e-3
             tok = want.argmax(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "llama-gqa-rope3", "opt-350m-shape", "qwen2"])
+@pytest.mark.parametrize("sampling", [{"do_sample": True, "temperature": 0.7}, {}], ids=["sampled", "greedy"])
+def test_static_step_decodes_the_tokens_and_logprobs_of_the_default_loop(family, sampling):
+    """The static-shape step (every token attends over the whole cache under an in-place mask, the
+    position a device tensor; what a CUDA graph records) against the default loop, same seed: the
+    same tokens, the same log-probs (1e-6), padding after a row's eos; and where every row has ended
+    before its first look (row 0 alone), the same length, although it looks for the end only every
+    STATIC_CHECK_EVERY tokens and trims what it decoded past it."""
+    from rlhf.decode import STATIC_CHECK_EVERY
+
+    model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
+    ids, mask = _left_padded(model.config.vocab_size)
+    new = 2 * STATIC_CHECK_EVERY + 3
+    for rows in (slice(None), slice(0, 1)):
+        ids_, mask_ = ids[rows], mask[rows]
+        torch.manual_seed(3)
+        first = decode(model, ids_, mask_, 12, eos_id=-1, pad_id=1, **sampling)[0]
+        # A token row 0 draws after its first step and not before: as eos it ends row 0 there.
+        end, eos = next((j, int(t)) for j, t in enumerate(first[1:], 1) if int(t) not in first[:j].tolist())
+        runs = []
+        for static in (False, True):
+            torch.manual_seed(3)
+            runs.append(decode(model, ids_, mask_, new, eos_id=eos, pad_id=1, with_logprobs=True, static=static,
+                               **sampling))
+        (tokens, logprobs), (stokens, slogprobs) = runs
+        assert tokens[0, end] == eos and (tokens[0, end + 1:] == 1).all()
+        if rows.stop == 1:
+            assert tokens.shape[1] == end + 1 < STATIC_CHECK_EVERY
+        assert torch.equal(stokens, tokens)
+        assert (slogprobs - logprobs).abs().max() <= 1e-6, (slogprobs - logprobs).abs().max()
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that read a value back to the host (each waits for the device)."""
+
+    NAMES = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.NAMES
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_static_decode_reads_back_to_the_host_once_per_check_interval(family):
+    """33 tokens (eos forbidden throughout): the default loop reads the all-ended flag back after
+    every token but the last; the static one once per STATIC_CHECK_EVERY tokens, plus once for the
+    trim. (Every torch call passes through the counting mode: a few seconds per decode.)"""
+    from rlhf.decode import STATIC_CHECK_EVERY
+
+    model, tok = _model(family)
+    ids, mask = _left_padded(model.config.vocab_size)
+    counts = {}
+    for static in (False, True):
+        with _HostSyncs() as syncs:
+            out = decode(model, ids, mask, 33, eos_id=2, pad_id=1, do_sample=True, min_new_tokens=33, static=static)
+        assert out.shape == (3, 33)
+        counts[static] = syncs.count
+    assert counts[False] >= 32
+    assert counts[True] <= 32 // STATIC_CHECK_EVERY + 1, counts
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_static_token_step_traces_as_one_graph(family):
+    """The token step compiles with fullgraph=True (no graph break: no host read-back, no shape that
+    depends on a value), the condition for recording it as a CUDA graph, and the compiled step gives
+    the eager step's logits token after token."""
+    from rlhf.decode import _own_forward, _StaticSteps
+
+    model = _model(family)[0]
+    ids, mask = _left_padded(model.config.vocab_size)
+    eager, traced = (_StaticSteps(_own_forward(model), ids, mask, 6) for _ in range(2))
+    token = torch.compile(traced.token, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        a, b = eager(None), traced(None)
+        for _ in range(5):
+            nxt = a.argmax(-1)
+            a = eager(nxt)
+            traced.tok.copy_(nxt.unsqueeze(1))
+            b = token()
+            assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()

@@ -186,6 +186,11 @@ class PPOStepConfig(StepConfig):
     # Rollouts per generate call and per scoring forward (bounds the KV cache and the scoring logits); 0: the
     # whole rollout batch at once.
     generation_batch_size_per_device: int = 0
+    # Decode rollouts with the static-shape token step (rlhf.decode._StaticSteps): on a GPU recorded
+    # once per generate call as a CUDA graph and replayed per token, the all-ended check every 16
+    # tokens; the same tokens and log-probs. On CPU it runs without a graph and is slower than the
+    # default loop (every token attends over the whole cache).
+    decode_graph: bool = False
     # Answers sampled per prompt (> 1 for group-normalized advantages).
     samples_per_prompt: int = 1
     # Passes of PPO updates over each rollout batch.

@@ -94,7 +94,8 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     from_rollout = step_cfg.old_logprobs == "rollout"
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
                        step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
-                       step_cfg.top_k, step_cfg.min_new_tokens, gather_whole, with_logprobs=from_rollout)
+                       step_cfg.top_k, step_cfg.min_new_tokens, gather_whole, with_logprobs=from_rollout,
+                       static=step_cfg.decode_graph)
               for i in range(0, batch["input_ids"].shape[0], chunk)]
     tokens = [p[0] if from_rollout else p for p in pieces]
     width = max(p.shape[1] for p in tokens)  # chunks may stop at different lengths; pad after their eos

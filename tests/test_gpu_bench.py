@@ -1,0 +1,38 @@
+"""bench/gpu.sh at toy size on CPU (``--tiny``): every phase runs through the real runners and the
+decode loop, and the summary carries each phase's figures; what the GPU run will report, checked
+before a GPU is at hand. The figures themselves mean nothing on CPU.
+
+    python -m pytest -q tests/test_gpu_bench.py -m slow
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_bench_script_runs_every_phase_at_toy_size(tmp_path):
+    env = {**os.environ, "BENCH_OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "bench/gpu.sh", "--tiny"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["failed_phases"] == [], done.stdout[-3000:]
+    for phase in ("matmul", "sft", "decode", "ppo", "ppo_graph"):
+        assert phase in summary, phase
+    decode = summary["decode"]
+    # The static step decodes the default loop's tokens, and both are timed against a positive floor.
+    assert decode["same_tokens"] and decode["max_logprob_diff"] <= 1e-5
+    assert decode["floor_ms_measured"] > 0 and decode["default_ms_per_token"] > 0
+    assert decode["static_graph_ms_per_token"] > 0
+    for phase in ("ppo", "ppo_graph"):
+        assert summary[phase]["measured_steps"] == 2 and summary[phase]["generate_s"] > 0
+    assert "static step recorded as a graph" in (tmp_path / "out" / "summary.md").read_text()
