@@ -105,7 +105,9 @@ def e2e_config(experiment: str, step: str):
 
 
 def own_configs() -> dict:
-    """bench/gpu.sh's SFT and PPO runs on one H200: random OPTs with the 1.3B and 350M numbers."""
+    """bench/gpu.sh's SFT and PPO runs on one H200: random OPTs with the 1.3B and 350M numbers, on
+    its rows of exact lengths (SFT 512 tokens, half prompt; PPO prompts of 256 tokens), with the
+    measured seconds per step (warm-up and evaluations excluded) and those lengths."""
     shape = {"family": "opt", "num_layers": 24, "hidden_size": 2048, "num_heads": 32, "ffn_size": 8192,
              "vocab_size": 50272, "max_positions": 2048}
     model = ["model=tiny-opt", *(f"model.{k}={v}" for k, v in shape.items())]
@@ -114,7 +116,7 @@ def own_configs() -> dict:
     ppo = to_schema(compose([*model, "hardware=h200", "step=ppo", "critic.model=opt-350m",
                              "step.rollout_batch_size_per_device=64", "step.micro_batch_size_per_device=16",
                              "step.max_prompt_len=256", "step.max_new_tokens=256", "step.max_steps=1"]))
-    return {"sft": (sft, 0.203), "ppo": (ppo, 4.10)}
+    return {"sft": (sft, 0.203, (512, 256)), "ppo": (ppo, 4.10, (512, 256))}
 
 
 def ratio(forecast_h: float, published_h: float) -> float:
@@ -147,12 +149,13 @@ def main() -> None:
             rows.append({"table": "end to end", "cell": f"{experiment} step {step}", "published_h": round(hours, 3),
                          "forecast_h": round(f.seconds / 3600, 3), "ratio": round(ratio(f.seconds / 3600, hours), 2),
                          "setting": f.work, "phases_h": {k: round(v / 3600, 3) for k, v in f.phases.items()}})
-    for name, (cfg, seconds) in own_configs().items():
-        f = forecast.forecast(cfg)
-        per_step = f.seconds / f.steps
+    for name, (cfg, seconds, lengths) in own_configs().items():
+        f = forecast.forecast(cfg, lengths=lengths)
+        # The measured figure is a training step's: the evaluations before and after are not in it.
+        per_step = (f.seconds - f.phases["evaluation"]) / f.steps
         rows.append({"table": "own H200", "cell": f"{name} s/step", "published_h": seconds, "forecast_h": round(per_step, 3),
                      "ratio": round(per_step / seconds, 2), "setting": f.work,
-                     "phases_s": {k: round(v / f.steps, 3) for k, v in f.phases.items()}})
+                     "phases_s": {k: round(v / f.steps, 3) for k, v in f.phases.items() if k != "evaluation"}})
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -287,9 +287,11 @@ def _critic_model(cfg: Config) -> ModelConfig:
     return load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model
 
 
-def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None = None) -> StepForecast:
+def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None = None,
+             lengths: tuple[float, float] | None = None) -> StepForecast:
     """The step's forecast on its preset: ``rows`` is the blend's train rows where they are not
-    counted, ``part_rows`` the step's own rows (a benchmark's prompts) outright."""
+    counted, ``part_rows`` the step's own rows (a benchmark's prompts) outright, ``lengths`` a
+    benchmark's row lengths in tokens (prompt + answer, prompt) in place of the data's."""
     rates = rates or hardware_rates(cfg)
     step, world, hw = cfg.step, cfg.world_size, cfg.hardware
     part_rows, how = (part_rows, "given: the step's rows") if part_rows else step_rows(cfg, rows)
@@ -297,10 +299,10 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     # Only adapters trained: the frozen weights need no weight gradients.
     lora = cfg.lora.rank > 0 and cfg.lora.only_optimize_lora
     if step.name == "ppo":
-        return _ppo(cfg, part_rows, rates, notes)
+        return _ppo(cfg, part_rows, rates, notes, lengths)
     pairs = STEPS[step.name].rows == "pairs"
     seqs = step.micro_batch_size_per_device * step.gradient_accumulation_steps * (2 if pairs else 1)
-    lengths = padded_lengths(cfg, step.micro_batch_size_per_device, pairs)
+    lengths = lengths or padded_lengths(cfg, step.micro_batch_size_per_device, pairs)
     seq = min(step.max_seq_len, lengths[0]) if lengths else step.max_seq_len
     per_epoch = part_rows // step.global_batch_size if part_rows else 1
     steps = per_epoch * step.epochs
@@ -350,7 +352,8 @@ def _supervised_evaluation_s(cfg: Config, steps: int, rates: Rates) -> float:
     return evals * forward + (evals + 2) * greedy
 
 
-def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepForecast:
+def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
+         lengths: tuple[float, float] | None = None) -> StepForecast:
     """PPO step by step: generation (prefill, then each decoding step), the scoring forwards of the
     frozen roles (and the actor's with old_logprobs=recompute), and the updates with their ZeRO
     communication. Rollouts are max_prompt_len + max_new_tokens long (DeepSpeed-Chat's benchmark
@@ -359,7 +362,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str]) -> StepFor
     actor, critic = cfg.model, _critic_model(cfg)
     roles = {r.name: r for r in step_roles(cfg)}
     batch, prompt, answer = step.rollout_batch_size_per_device, step.max_prompt_len, step.max_new_tokens
-    if lengths := padded_lengths(cfg, batch, False):  # prompts left-padded to the batch's longest
+    if lengths := lengths or padded_lengths(cfg, batch, False):  # prompts left-padded to the batch's longest
         prompt = min(prompt, round(lengths[1]))
         notes.append(f"{prompt} prompt tokens: the mean padded rollout batch of the data "
                      f"(step.max_prompt_len={step.max_prompt_len})")
