@@ -4,6 +4,9 @@
 alternating, median of --repeats each, one process. ``full_over_top50`` is our loop's time sampling
 the full distribution over its time drawing among the 50 most likely tokens only (the rollouts'
 former default): the price of sampling the distribution PPO's log-probs describe.
+``static_over_default`` is the static step's time (``step.decode_graph``, which on a GPU is
+recorded as a CUDA graph; here it runs eagerly, every token attending over the whole cache) over
+the default loop's.
 
 Models: the PPO bench's random OPT (hidden 256, 4 layers, vocab 8192; bench/ppo_step.py) and the
 default tiny LLaMA. Prints one JSON line per model with tokens/s of each and ``speedup`` (ours over
@@ -90,6 +93,9 @@ def measure(name: str, cfg, args) -> dict:
     def ours_top50():
         return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **{**sampling, "top_k": 50})
 
+    def ours_static():
+        return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, static=True, **sampling)
+
     def theirs():
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
@@ -110,8 +116,9 @@ def measure(name: str, cfg, args) -> dict:
             for m in linears:
                 F.linear(x[m.in_features], m.weight, m.bias)
 
-    times = {"ours": [], "generate": [], "matmuls": [], "ours_top50": []}
-    calls = (("ours", ours), ("generate", theirs), ("matmuls", matmuls), ("ours_top50", ours_top50))
+    calls = (("ours", ours), ("generate", theirs), ("matmuls", matmuls), ("ours_top50", ours_top50),
+             ("ours_static", ours_static))
+    times = {key: [] for key, _ in calls}
     for _, fn in calls:  # warm-up
         fn()
     for _ in range(args.repeats):
@@ -132,7 +139,9 @@ def measure(name: str, cfg, args) -> dict:
             "matmuls_tokens_per_s": round(tokens / med["matmuls"], 1),
             "speedup_ceiling": round(med["generate"] / med["matmuls"], 3),
             "ours_over_matmuls": round(med["ours"] / med["matmuls"], 3),
-            "full_over_top50": round(med["ours"] / med["ours_top50"], 3)}
+            "full_over_top50": round(med["ours"] / med["ours_top50"], 3),
+            # The static step (step.decode_graph) without a graph, as it runs on CPU: its price here.
+            "static_over_default": round(med["ours_static"] / med["ours"], 3)}
 
 if __name__ == "__main__":
     main()

@@ -352,7 +352,8 @@ class _StaticSteps:
     (``token``) reads a value back to the host or changes shape, so on a GPU it is recorded once as a
     CUDA graph (after the prompt's forward has built the cache and its tables) and replayed for every
     token: one launch instead of a few hundred kernel launches from Python. On CPU the same step runs
-    eagerly (attending over the whole cache costs more there than the default loop's growing slice)."""
+    eagerly, at about the default loop's speed for short answers (bench/decode.py's
+    ``static_over_default``: it attends over the whole cache from the first token, but slices no mask)."""
 
     def __init__(self, own, input_ids, attention_mask, max_new_tokens):
         batch, self.prompt = input_ids.shape
