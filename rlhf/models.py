@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rlhf.config import PROJECT_ROOT, LoraConfig, ModelConfig
+from rlhf.config import PROJECT_ROOT, ConfigError, LoraConfig, ModelConfig
 
 # Special tokens of the tokenizers we train: pad is distinct from eos so that a mask built from
 # pad never hides a real end of answer.
@@ -220,6 +220,24 @@ def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dro
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+# Model types that, in the installed transformers, confine attention to each row of a packed batch
+# (rlhf.data.tokenize.PackCollator) by reading row starts from its position_ids; tests/test_packing.py
+# checks each against padded batches. Not OPT: it takes position_ids for its position embeddings but
+# builds its attention mask without them, so packed rows would attend to the rows before them.
+PACKED_ROWS_MODEL_TYPES = ("llama",)
+
+
+def check_packed_rows(path: str, trust_remote_code: bool = False) -> None:
+    """Refuse step.packing for a model whose attention would cross packed rows (read from its
+    config.json, before any weights load)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if config.model_type not in PACKED_ROWS_MODEL_TYPES:
+        name = (config.architectures or [config.model_type])[0]
+        raise ConfigError(f"step.packing=true is not supported for {name} (model type {config.model_type!r}, {path}): "
+                          "its attention would reach across the packed rows; supported model types: "
+                          f"{', '.join(PACKED_ROWS_MODEL_TYPES)}. Set step.packing=false")
 
 
 class RewardModel(torch.nn.Module):

@@ -85,6 +85,12 @@ class SFTStepConfig(GreedyEvalStepConfig):
     # Stop once the held-out loss has not improved on its best for this many evaluations in a row
     # (it has stopped learning); 0: never.
     early_stop_patience: int = 0
+    # Train on each micro batch's rows packed end to end into one row without padding (position ids
+    # restart per row, attention stays within each row): the same rows, loss and gradients, no compute
+    # on padding. It pays only where padding is a large share of the tokens: with sdpa / eager attention
+    # (the default, and CPU's) the per-row mask spans the whole packed row (bench/packing.py). LLaMA-type
+    # models only: OPT builds its attention mask without the position ids.
+    packing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,4 +1,4 @@
-"""Tokenize rows for each step and collate them into padded batches.
+"""Tokenize rows for each step and collate them into padded (or, for SFT, packed) batches.
 
 Prompt and answer are tokenized apart and concatenated, so the answer's first token is known
 exactly (no guessing from a joint encoding), and eos is appended as the answer's last token.
@@ -79,6 +79,32 @@ class PadCollator:
             mask[i, :n] = 1
             labels[i, :n] = torch.tensor(b["labels"])
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class PackCollator:
+    """The micro batch's rows end to end in one row of shape [1, sum of lengths]: no padding and no
+    attention_mask (step.packing).
+
+    position_ids restart at 0 at every row: transformers reads the restarts as row boundaries when
+    there is no attention_mask and no KV cache, and confines attention to each row (a per-row causal
+    mask for sdpa / eager, the varlen kernels for flash attention) -- for the model types in
+    rlhf.models.PACKED_ROWS_MODEL_TYPES only. Each row's first label is ignored so that a row's last
+    token is not trained to predict the next row's first; a padded batch never uses that label either
+    (labels shift by one), so the loss is the padded batch's.
+    """
+
+    def __call__(self, batch: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [t for b in batch for t in b["input_ids"]]
+        positions = [i for b in batch for i in range(len(b["input_ids"]))]
+        labels = [t for b in batch for t in (IGNORE_INDEX, *b["labels"][1:])]
+        return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions]),
+                "labels": torch.tensor([labels])}
+
+
+def packed_row_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """The lengths of the rows in a PackCollator batch, from where its position_ids restart at 0."""
+    starts = (position_ids.flatten() == 0).nonzero().flatten()
+    return torch.diff(starts, append=starts.new_tensor([position_ids.numel()]))
 
 
 def pair_dataset(rows: Dataset, tokenizer, max_seq_len: int, report: DataReport, split: str,

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
+from rlhf.data.tokenize import packed_row_lengths
 from rlhf.logging import MetricsLogger, peak_memory_gb, train_flops
 
 
@@ -118,7 +119,7 @@ def optimize(engine, loss, ckpt, state: LoopState, epoch: int, index: int, meter
     engine.backward(loss)
     boundary = engine.is_gradient_accumulation_boundary()
     engine.step()
-    meter.add(batch["attention_mask"])
+    meter.add(batch)
     return value, boundary
 
 
@@ -152,11 +153,21 @@ class Throughput:
         self.micro, self.tokens, self.padded, self.seq_len = 0, 0, 0, 0
         self.start = time.perf_counter()
 
-    def add(self, attention_mask) -> None:
+    def add(self, batch: dict) -> None:
         self.micro += 1
-        self.tokens += int(attention_mask.sum())
-        self.padded += attention_mask.numel()
-        self.seq_len = attention_mask.shape[-1]
+        if "attention_mask" in batch:
+            mask = batch["attention_mask"]
+            self.tokens += int(mask.sum())
+            self.padded += mask.numel()
+            self.seq_len = mask.shape[-1]
+            return
+        # A packed batch (step.packing) has no padding, and a token attends within its own row only:
+        # the attention term is over the rows' lengths, sum(L^2) / sum(L) per token, not the packed width.
+        lengths = packed_row_lengths(batch["position_ids"])
+        tokens = int(lengths.sum())
+        self.tokens += tokens
+        self.padded += tokens
+        self.seq_len = float((lengths ** 2).sum()) / tokens
 
     def summary(self, rows_per_step: int) -> dict[str, float]:
         elapsed = time.perf_counter() - self.start

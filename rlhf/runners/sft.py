@@ -18,7 +18,7 @@ import torch.distributed as dist
 from rlhf import memory, models, readiness, rewards, rollout
 from rlhf.config import Config
 from rlhf.data.blend import heldout_split
-from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
+from rlhf.data.tokenize import IGNORE_INDEX, PackCollator, PadCollator, sft_dataset
 from rlhf.runners import common, loop
 
 
@@ -52,14 +52,18 @@ def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
     model_path, tokenizer = common.model_and_tokenizer(cfg)
+    if step_cfg.packing:
+        models.check_packed_rows(model_path, cfg.model.trust_remote_code)
 
     train_ds, eval_ds, eval_prompts, report = common.step_data(
         cfg, "sft", tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on},
         lambda rows, split, rep: sft_dataset(rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, rep, split,
                                              cfg.data.on_bad_row))
-    collate = PadCollator(tokenizer.pad_token_id)
-    loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
-    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
+    pad = PadCollator(tokenizer.pad_token_id)
+    loader, sampler = common.train_loader(train_ds, cfg, rank, world, PackCollator() if step_cfg.packing else pad)
+    # Evaluation stays padded under step.packing: it runs without gradients, a small part of the time,
+    # and perplexity() reads the rows from attention_mask.
+    evaluation = common.eval_loader(eval_ds, cfg, rank, world, pad)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
     # Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts):
     # the stop rule reads one half of the held-out prompts (select/accuracy), the reported figure
@@ -121,8 +125,10 @@ def run(cfg: Config) -> dict:
         state.first = state.last = evaluate(True)
         logger.log({**state.first, "epoch": 0}, step=0)
         state.judge(state.first, "eval/loss", False, 0)
+    # No KV cache in training: with one, transformers would not read a packed batch's rows from its
+    # position_ids (step.packing) and attention would cross them.
     loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params,
-               lambda batch: (engine(**batch).loss, {}), ready, "SFT loss")
+               lambda batch: (engine(**batch, use_cache=False).loss, {}), ready, "SFT loss")
     if report_prompts:  # the output's reported accuracy, on prompts the stop rule never read
         reported = greedy(report_prompts)
         state.last = {**state.last, **reported}
