@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The framework on one GPU in one go: matmul rate, SFT TFLOP/s and MFU of a random OPT-1.3B shape,
-# the rollout decode loop against the memory bus's floor (default loop and the static step recorded
-# as a CUDA graph), and a PPO step (1.3B actor, 350M critic and reward model) by phase, both ways. bench/gpu_bench.py says what
-# each phase measures; results go to $BENCH_OUT (default runs/bench-gpu): summary.md, summary.json,
-# one JSON per phase, and the SFT and PPO run directories.
+# The framework on one GPU in one go: matmul rate; SFT TFLOP/s and MFU of a random OPT-1.3B shape at
+# 16 and at 64 rows per micro batch; the rollout decode loop against the memory bus's floor (default
+# loop and the static step recorded as a CUDA graph); a PPO step (1.3B actor, 350M critic and reward
+# model) by phase, both ways. bench/gpu_bench.py says what each phase measures; results go to
+# $BENCH_OUT (default runs/bench-gpu): summary.md, summary.json, one JSON per phase, and the SFT and
+# PPO run directories.
 #
 #   bash bench/gpu.sh                # one GPU: under 10 min (phase limits) on an H200
 #   bash bench/gpu.sh zero=2         # extra Hydra overrides for the SFT and PPO runs
@@ -35,11 +36,12 @@ phase() {  # phase NAME SECONDS [overrides...]
 
 # Limits: a cold run on an H200 (random models built, CUDA and DeepSpeed started in each process)
 # took matmul 4 s, SFT 44 s, PPO 91 s; decode (4 rollouts of 64 x 512 tokens) is about a PPO
-# step's generation x 4 plus loading. The limits keep the whole under 10 minutes.
+# step's generation x 4 plus loading. The limits keep the whole under 10 minutes (570 s).
 phase matmul 30
-phase sft 120 "$@"
+phase sft 100 "$@"
+phase sft_micro4x 90 "$@"
 phase decode 90
-phase ppo 150 "$@"
-phase ppo_graph 150 "$@"
+phase ppo 130 "$@"
+phase ppo_graph 130 "$@"
 "$PYTHON" bench/gpu_bench.py report --out "$OUT" "${TINY[@]}" "$@"
 echo "=== total ${SECONDS}s"

@@ -26,13 +26,14 @@ def test_gpu_bench_script_runs_every_phase_at_toy_size(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["failed_phases"] == [], done.stdout[-3000:]
-    for phase in ("matmul", "sft", "decode", "ppo", "ppo_graph"):
+    for phase in ("matmul", "sft", "sft_micro4x", "decode", "ppo", "ppo_graph"):
         assert phase in summary, phase
     decode = summary["decode"]
     # The static step decodes the default loop's tokens, and both are timed against a positive floor.
     assert decode["same_tokens"] and decode["max_logprob_diff"] <= 1e-5
     assert decode["floor_ms_measured"] > 0 and decode["default_ms_per_token"] > 0
     assert decode["static_graph_ms_per_token"] > 0
+    assert summary["sft_micro4x"]["micro_batch"] == 4 * summary["sft"]["micro_batch"]
     for phase in ("ppo", "ppo_graph"):
         assert summary[phase]["measured_steps"] == 2 and summary[phase]["generate_s"] > 0
     assert "static step recorded as a graph" in (tmp_path / "out" / "summary.md").read_text()
