@@ -7,7 +7,8 @@ checkpointing (the forward again), and LoRA drops the frozen weights' gradients 
 Decoding one token of a batch reads the weights and the KV cache once: the slower of that read at
 the device's memory bandwidth and its FLOPs, plus a fixed cost per layer (kernel launches of an
 eager decode loop). ZeRO's collectives move the 16-bit parameters or gradients over the slowest
-link they cross: within a node (NVLink, PCIe) or the node's network share per device.
+link they cross: within a node (NVLink, PCIe) or the node's network share per device. ZeRO
+offload adds the host link's transfers and CPU-Adam's pass over the optimizer states (offload_s).
 
 Rates: per accelerator kind the hardware preset carries the datasheet peak, memory and link
 bandwidths and a price per device-hour (conf/hardware/*.yaml, with sources); four efficiency
@@ -43,6 +44,12 @@ DECODE_LAYER_OVERHEAD_S = 3.0e-4
 # Achieved fraction of link bandwidth in ZeRO's all-gathers and reduce-scatters (NCCL's bus
 # bandwidth on NVLink and InfiniBand runs at 70-85% of the link rate).
 COMM_EFFICIENCY = 0.7
+# Bytes of host memory DeepSpeed's CPU-Adam moves per parameter and optimizer step under ZeRO's
+# optimizer offload: the gradient's fp32 copy written on arrival (4); fp32 weight, gradient, momentum
+# and variance read (16); weight, momentum and variance written (12); the 16-bit weight for the
+# device written (2). It streams at the host's memory bandwidth (BANDWIDTH_EFFICIENCY of it), which
+# a node's ranks share.
+CPU_ADAM_BYTES = 34
 
 
 @dataclass
@@ -58,6 +65,10 @@ class Rates:
     # (on a GPU they queue asynchronously behind training-sized work: 0).
     train_layer_overhead_s: float = 0.0
     measured: str = ""  # how the FLOP rate was found, when it was measured rather than read
+    # ZeRO offload: bytes/s over one device's host link (PCIe) and of its share of the host's memory
+    # bandwidth; inf where the preset does not say (offload then costs nothing here, and a note says so).
+    host_link: float = float("inf")
+    host_memory: float = float("inf")
 
 
 @dataclass
@@ -156,7 +167,44 @@ def hardware_rates(cfg: Config) -> Rates:
     if not hw.peak_tflops:
         raise ValueError(f"hardware={hw.name} has no hardware.peak_tflops: the forecast needs the device's peak")
     memory = hw.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY if hw.memory_bandwidth_gbs else float("inf")
-    return Rates(hw.peak_tflops * 1e12 * MATMUL_EFFICIENCY, memory, link_bps, DECODE_LAYER_OVERHEAD_S)
+    host_link = hw.host_link_gbs * 1e9 * BANDWIDTH_EFFICIENCY if hw.host_link_gbs else float("inf")
+    host_memory = (hw.host_memory_gbs * 1e9 * BANDWIDTH_EFFICIENCY / hw.devices_per_node if hw.host_memory_gbs
+                   else float("inf"))
+    return Rates(hw.peak_tflops * 1e12 * MATMUL_EFFICIENCY, memory, link_bps, DECODE_LAYER_OVERHEAD_S,
+                 host_link=host_link, host_memory=host_memory)
+
+
+def offload_s(cfg: Config, params: int, trainable: int, micro_batches: int, rates: Rates, notes: list[str]) -> float:
+    """What ZeRO offload adds to one optimizer step of a model trained on GPUs: with the optimizer
+    offloaded, each rank's share of the gradients goes to the host and of the updated 16-bit weights
+    comes back over its host link, and CPU-Adam streams its share of the optimizer states
+    (CPU_ADAM_BYTES per parameter) at its share of the host's memory bandwidth; with the parameters
+    offloaded (stage 3), each micro batch's forward and backward fetch the rank's share of the
+    weights from the host. Not overlapped with compute (an upper estimate where DeepSpeed overlaps)."""
+    zero, hw, world = cfg.zero, cfg.hardware, cfg.world_size
+    if hw.accelerator != "cuda" or zero.stage == 0:
+        return 0.0
+    width = bytes_per_param(hw.precision)
+    seconds = 0.0
+    if zero.offload_optimizer.device == "cpu":
+        share = trainable / world
+        seconds += 2 * share * width / rates.host_link + share * CPU_ADAM_BYTES / rates.host_memory
+        if rates.host_memory == float("inf"):
+            _note(notes, f"optimizer offload: no hardware.host_memory_gbs for hardware={hw.name}, so CPU-Adam's time "
+                         "is not in the forecast")
+    if zero.stage == 3 and zero.offload_param.device == "cpu":
+        seconds += micro_batches * 2 * params / world * width / rates.host_link
+    if "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
+        _note(notes, "NVMe offload is not in the forecast")
+    if (zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu") and rates.host_link == float("inf"):
+        _note(notes, f"offload: no hardware.host_link_gbs for hardware={hw.name}, so host transfers are not in the "
+                     "forecast")
+    return seconds
+
+
+def _note(notes: list[str], line: str) -> None:
+    if line not in notes:
+        notes.append(line)
 
 
 _PROBED: dict[tuple, tuple[float, float, str]] = {}
@@ -319,6 +367,8 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     dispatch = step.gradient_accumulation_steps * cfg.model.num_layers * rates.train_layer_overhead_s
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
+    if offload := offload_s(cfg, total + lora_params, trainable, step.gradient_accumulation_steps, rates, notes):
+        phases["offload"] = steps * offload
     work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "
             f"{step.global_batch_size} x {seq:.0f} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
     if lengths:
@@ -408,10 +458,12 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     train = step.ppo_epochs * train_flops(actor, batch * seq, seq, True, step.gradient_checkpointing, lora)
     comm = updates * zero_comm_s(cfg.zero.stage, a_total + a_lora, a_trainable, step.gradient_accumulation_steps,
                                  world, hw.precision, rates)
+    offload = updates * offload_s(cfg, a_total + a_lora, a_trainable, step.gradient_accumulation_steps, rates, notes)
     if "critic" in roles:
         train += step.ppo_epochs * train_flops(critic, batch * seq, seq, False, step.gradient_checkpointing, False)
         comm += updates * zero_comm_s(cfg.zero.stage, c_total, c_total, step.gradient_accumulation_steps, world,
                                       hw.precision, rates)
+        offload += updates * offload_s(cfg, c_total, c_total, step.gradient_accumulation_steps, rates, notes)
     # Evaluation: greedy answers to the select half at every evaluation (step 0, every eval_every_steps,
     # the end) and to the reported half at the start and the end (and at each new best, not counted),
     # each scored by the reward model where there is one.
@@ -426,6 +478,8 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     phases = {"generation": steps * generate, "scoring": steps * scoring,
               "updates": steps * (train / rates.flops + train_dispatch),
               "communication": steps * comm, "evaluation": (evals + 2) * greedy}
+    if offload:
+        phases["offload"] = steps * offload
     work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
             f"steps of {per_step} rollouts x ({prompt} + {answer}) tokens" if part_rows
             else f"{steps:,} PPO steps (step.max_steps)")

@@ -90,3 +90,23 @@ def test_the_project_s_own_h200_figures_are_forecast_within_one_and_a_half_times
         assert ("(256 + 256) tokens" if name == "ppo" else "x 512 tokens") in f.work, f.work
         per_step = (f.seconds - f.phases["evaluation"]) / f.steps
         assert 1 / 1.5 <= per_step / measured <= 1.5, (name, per_step, measured)
+
+
+def test_zero_offload_by_hand_and_in_the_forecast():
+    """8 devices, 8,000 16-bit parameters, 2 micro batches, host link and host memory at 1 GB/s (per
+    device): the optimizer's share (1,000 parameters) sends gradients down and weights up (2 x 2,000
+    bytes: 4 us) and CPU-Adam streams 34 bytes each (34 us); the parameters' share is fetched for the
+    forward and the backward of each micro batch (2 x 2 x 2,000 bytes: 8 us). An offload preset shows
+    it as its own phase; one without host figures leaves it out and says so."""
+    cfg = to_schema(compose(["step=sft", "hardware=8xa100-80g", "zero=3-offload", "model=opt-1.3b"]))
+    assert forecast.bytes_per_param(cfg.hardware.precision) == 2
+    rates = forecast.Rates(flops=1e12, memory=1e12, link=1e9, layer_overhead_s=0.0, host_link=1e9, host_memory=1e9)
+    assert forecast.offload_s(cfg, 8000, 8000, 2, rates, []) == pytest.approx(4e-6 + 34e-6 + 8e-6)
+    f = forecast.forecast(cfg, rows=100_000)
+    assert f.phases["offload"] > 0 and f.seconds == pytest.approx(sum(f.phases.values()))
+    plain = forecast.forecast(to_schema(compose(["step=sft", "hardware=8xa100-80g", "zero=3", "model=opt-1.3b"])),
+                              rows=100_000)
+    assert "offload" not in plain.phases
+    single = forecast.forecast(to_schema(compose(["step=sft", "hardware=a6000", "zero=2-offload", "model=opt-1.3b"])),
+                               rows=100_000)
+    assert any("no hardware.host_memory_gbs for hardware=a6000" in n for n in single.notes)

@@ -87,6 +87,11 @@ class HardwareConfig:
     inter_node_gbs: float = 0.0
     # Price of one device-hour in USD; 0: the forecast gives time only.
     price_per_device_hour: float = 0.0
+    # For ZeRO offload in the forecast: the host link of one device per direction in GB/s (PCIe), and
+    # the memory bandwidth of a node's host in GB/s (CPU-Adam streams the optimizer states); 0: unknown,
+    # the forecast leaves offload out and says so.
+    host_link_gbs: float = 0.0
+    host_memory_gbs: float = 0.0
 
     @property
     def world_size(self) -> int:
