@@ -64,6 +64,8 @@ class Rates:
     # Per layer and micro batch of training: forward and backward ops dispatched one after the other
     # (on a GPU they queue asynchronously behind training-sized work: 0).
     train_layer_overhead_s: float = 0.0
+    # CPU: (precision, threads) for probing a model's training micro batch (train_overhead_s).
+    probe: tuple[str, int] | None = None
     measured: str = ""  # how the FLOP rate was found, when it was measured rather than read
     # ZeRO offload: bytes/s over one device's host link (PCIe) and of its share of the host's memory
     # bandwidth; inf where the preset does not say (offload then costs nothing here, and a note says so).
@@ -162,8 +164,11 @@ def hardware_rates(cfg: Config) -> Rates:
     link_bps = link * 1e9 * COMM_EFFICIENCY if link else float("inf")
     if hw.accelerator == "cpu":
         flops, layer_s, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
-        # Backward dispatches about twice the forward's ops.
-        return Rates(flops, float("inf"), link_bps, layer_s, 3 * layer_s, how)
+        rates = Rates(flops, float("inf"), link_bps, layer_s, train_layer_overhead_s=3 * layer_s, measured=how,
+                      probe=(hw.precision, hw.torch_threads))
+        if (per_micro := train_overhead_s(cfg.model, rates)) and probe_cpu_training(cfg.model, *rates.probe, flops):
+            rates.measured += f"; a training micro batch of the model spends {per_micro * 1e3:.1f} ms beyond its FLOPs"
+        return rates
     if not hw.peak_tflops:
         raise ValueError(f"hardware={hw.name} has no hardware.peak_tflops: the forecast needs the device's peak")
     memory = hw.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY if hw.memory_bandwidth_gbs else float("inf")
@@ -257,6 +262,68 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, s
         _PROBED[key] = (rate, layer_s, f"measured {rate / 1e9:.1f} GFLOP/s and {layer_s * 1e6:.0f} us per layer and "
                                        f"token ({precision}, {threads or 'default'} thread(s), width {width})")
     return _PROBED[key]
+
+
+_TRAIN_PROBED: dict[tuple, float | None] = {}
+# The training probe's micro batch (rows x tokens) and the largest model it builds; above it, the
+# per-layer cost of the single-token probe stands in (3x it: the backward dispatches twice the ops).
+TRAIN_PROBE_SHAPE = (16, 32)
+TRAIN_PROBE_MAX_PARAMS = 50e6
+
+
+def train_overhead_s(m: ModelConfig, rates: Rates) -> float:
+    """Seconds a training micro batch of model ``m`` spends beyond its FLOPs: on CPU measured on the
+    architecture itself where it is small enough (probe_cpu_training), else per layer from the rates."""
+    if rates.probe:
+        measured = probe_cpu_training(m, *rates.probe, rates.flops)
+        if measured is not None:
+            return measured
+    return m.num_layers * rates.train_layer_overhead_s
+
+
+def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: float) -> float | None:
+    """What a training micro batch of this architecture costs on this CPU beyond its FLOPs: a random
+    copy of the model runs forward, backward and the engine's fused AdamW step on TRAIN_PROBE_SHAPE
+    tokens (best of several after a warm-up), minus its FLOPs at ``flops``. At the sizes trained on
+    CPU that remainder is most of a step: dispatching the forward's and backward's ops one by one
+    (norms, rotations, gated MLPs: far more than the single-token probe's toy layer) and the
+    optimizer's pass. Cached per process; None where the model is too large to probe or its family
+    unknown."""
+    key = (m.family, m.num_layers, m.hidden_size, m.num_heads, m.ffn_size, m.vocab_size, precision, threads)
+    if key in _TRAIN_PROBED:
+        return _TRAIN_PROBED[key]
+    import dataclasses
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models import _random_config
+
+    if param_counts(m)[0] > TRAIN_PROBE_MAX_PARAMS or m.family not in ("opt", "llama"):
+        _TRAIN_PROBED[key] = None
+        return None
+    rows, tokens = TRAIN_PROBE_SHAPE
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        ids = torch.randint(3, m.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0))
+        special = types.SimpleNamespace(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = AutoModelForCausalLM.from_config(_random_config(dataclasses.replace(m, dropout=0.0), special)).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # the engine's optimizer
+        fastest = float("inf")
+        for i in range(8):  # the first is a warm-up: first-call allocations and kernel choices
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            fastest = min(fastest, time.perf_counter() - t0) if i else fastest
+    finally:
+        torch.set_num_threads(before)
+    _TRAIN_PROBED[key] = max(fastest - train_flops(m, rows * tokens, tokens, True, False, False) / flops, 0.0)
+    return _TRAIN_PROBED[key]
 
 
 # ----------------------------------------------------------------------------- generation
@@ -364,7 +431,7 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
                        hw.precision, rates)
-    dispatch = step.gradient_accumulation_steps * cfg.model.num_layers * rates.train_layer_overhead_s
+    dispatch = step.gradient_accumulation_steps * train_overhead_s(cfg.model, rates)
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
     if offload := offload_s(cfg, total + lora_params, trainable, step.gradient_accumulation_steps, rates, notes):
@@ -473,8 +540,8 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     if "reward" in roles:
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
     micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
-    train_dispatch = micro * (actor.num_layers + (critic.num_layers if "critic" in roles else 0)) \
-        * rates.train_layer_overhead_s
+    train_dispatch = micro * (train_overhead_s(actor, rates) + (train_overhead_s(critic, rates) if "critic" in roles
+                                                                else 0.0))
     phases = {"generation": steps * generate, "scoring": steps * scoring,
               "updates": steps * (train / rates.flops + train_dispatch),
               "communication": steps * comm, "evaluation": (evals + 2) * greedy}

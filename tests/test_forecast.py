@@ -110,3 +110,19 @@ def test_zero_offload_by_hand_and_in_the_forecast():
     single = forecast.forecast(to_schema(compose(["step=sft", "hardware=a6000", "zero=2-offload", "model=opt-1.3b"])),
                                rows=100_000)
     assert any("no hardware.host_memory_gbs for hardware=a6000" in n for n in single.notes)
+
+
+def test_cpu_training_overhead_is_probed_on_the_model_and_falls_back_per_layer():
+    """On CPU a training micro batch's cost beyond its FLOPs is measured on a random copy of the
+    model (cached per process); a model too large to probe, or rates without a probe (GPUs), use
+    the per-layer figure."""
+    tiny = to_schema(compose(["model=tiny-llama"])).model
+    rates = forecast.Rates(flops=1e11, memory=float("inf"), link=float("inf"), layer_overhead_s=1e-4,
+                           train_layer_overhead_s=2e-3, probe=("fp32", 1))
+    measured = forecast.train_overhead_s(tiny, rates)
+    assert measured == forecast.probe_cpu_training(tiny, "fp32", 1, 1e11) and measured >= 0
+    big = to_schema(compose(["model=opt-1.3b"])).model
+    assert forecast.probe_cpu_training(big, "fp32", 1, 1e11) is None
+    assert forecast.train_overhead_s(big, rates) == pytest.approx(big.num_layers * 2e-3)
+    gpu = forecast.Rates(flops=1e14, memory=1e12, link=1e11, layer_overhead_s=1e-4, train_layer_overhead_s=0.0)
+    assert forecast.train_overhead_s(tiny, gpu) == 0.0
