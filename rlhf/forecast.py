@@ -166,8 +166,9 @@ def hardware_rates(cfg: Config) -> Rates:
         flops, layer_s, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
         rates = Rates(flops, float("inf"), link_bps, layer_s, train_layer_overhead_s=3 * layer_s, measured=how,
                       probe=(hw.precision, hw.torch_threads))
-        if (per_micro := train_overhead_s(cfg.model, rates)) and probe_cpu_training(cfg.model, *rates.probe, flops):
-            rates.measured += f"; a training micro batch of the model spends {per_micro * 1e3:.1f} ms beyond its FLOPs"
+        if probe_cpu_training(cfg.model, *rates.probe, flops):
+            rates.measured += (f"; a training micro batch of the model spends {train_overhead_s(cfg.model, rates) * 1e3:.1f}"
+                               f" ms beyond its FLOPs, a forward {forward_overhead_s(cfg.model, rates) * 1e3:.1f} ms")
         return rates
     if not hw.peak_tflops:
         raise ValueError(f"hardware={hw.name} has no hardware.peak_tflops: the forecast needs the device's peak")
@@ -264,7 +265,7 @@ def probe_cpu(width: int, precision: str, threads: int) -> tuple[float, float, s
     return _PROBED[key]
 
 
-_TRAIN_PROBED: dict[tuple, float | None] = {}
+_TRAIN_PROBED: dict[tuple, tuple[float, float] | None] = {}
 # The training probe's micro batch (rows x tokens) and the largest model it builds; above it, the
 # per-layer cost of the single-token probe stands in (3x it: the backward dispatches twice the ops).
 TRAIN_PROBE_SHAPE = (16, 32)
@@ -277,18 +278,30 @@ def train_overhead_s(m: ModelConfig, rates: Rates) -> float:
     if rates.probe:
         measured = probe_cpu_training(m, *rates.probe, rates.flops)
         if measured is not None:
-            return measured
+            return measured[0]
     return m.num_layers * rates.train_layer_overhead_s
 
 
-def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: float) -> float | None:
+def forward_overhead_s(m: ModelConfig, rates: Rates) -> float:
+    """The same for a scoring forward without gradients (PPO's reference, critic and reward model):
+    measured on CPU where the model is small enough, else a third of the training figure; 0 on GPUs,
+    where the ops queue behind the work."""
+    if rates.probe:
+        measured = probe_cpu_training(m, *rates.probe, rates.flops)
+        if measured is not None:
+            return measured[1]
+    return m.num_layers * rates.train_layer_overhead_s / 3
+
+
+def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: float) -> tuple[float, float] | None:
     """What a training micro batch of this architecture costs on this CPU beyond its FLOPs: a random
     copy of the model runs forward, backward and the engine's fused AdamW step on TRAIN_PROBE_SHAPE
-    tokens (best of several after a warm-up), minus its FLOPs at ``flops``. At the sizes trained on
-    CPU that remainder is most of a step: dispatching the forward's and backward's ops one by one
-    (norms, rotations, gated MLPs: far more than the single-token probe's toy layer) and the
-    optimizer's pass. Cached per process; None where the model is too large to probe or its family
-    unknown."""
+    tokens (best of several after a warm-up), minus its FLOPs at ``flops``; and a forward alone
+    without gradients, minus its FLOPs. At the sizes trained on CPU that remainder is most of a step:
+    dispatching the forward's and backward's ops one by one (norms, rotations, gated MLPs: far more
+    than the single-token probe's toy layer) and the optimizer's pass. Returns (training micro batch,
+    scoring forward) overheads in seconds, cached per process; None where the model is too large to
+    probe or its family unknown."""
     key = (m.family, m.num_layers, m.hidden_size, m.num_heads, m.ffn_size, m.vocab_size, precision, threads)
     if key in _TRAIN_PROBED:
         return _TRAIN_PROBED[key]
@@ -313,16 +326,21 @@ def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: floa
         special = types.SimpleNamespace(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         model = AutoModelForCausalLM.from_config(_random_config(dataclasses.replace(m, dropout=0.0), special)).to(dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # the engine's optimizer
-        fastest = float("inf")
+        train, forward = float("inf"), float("inf")
         for i in range(8):  # the first is a warm-up: first-call allocations and kernel choices
             t0 = time.perf_counter()
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            fastest = min(fastest, time.perf_counter() - t0) if i else fastest
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+            if i:
+                train, forward = min(train, t1 - t0), min(forward, time.perf_counter() - t1)
     finally:
         torch.set_num_threads(before)
-    _TRAIN_PROBED[key] = max(fastest - train_flops(m, rows * tokens, tokens, True, False, False) / flops, 0.0)
+    _TRAIN_PROBED[key] = (max(train - train_flops(m, rows * tokens, tokens, True, False, False) / flops, 0.0),
+                          max(forward - forward_flops(m, rows * tokens, tokens / 2, True) / flops, 0.0))
     return _TRAIN_PROBED[key]
 
 
@@ -508,15 +526,17 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
 
     # Scoring forwards over whole rollouts: reference (the actor's size), critic and reward model
     # (the critic's), and the actor itself where old log-probs are recomputed.
+    # One forward per generate chunk and role; beyond its FLOPs each dispatches its ops (CPU).
     scoring = 0.0
     sizes = {"reference": actor, "critic": critic, "reward": critic}
     for name in ("reference", "critic", "reward"):
         if name in roles:
             scoring += forward_flops(sizes[name], batch * seq, seq / 2, name == "reference") / rates.flops
+            scoring += calls * forward_overhead_s(sizes[name], rates)
             if cfg.zero.stage == 3:
                 scoring += collective_s(param_counts(sizes[name])[0] * width, world, rates)
     if step.old_logprobs == "recompute":
-        scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops
+        scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops + calls * forward_overhead_s(actor, rates)
 
     # Updates: every PPO epoch trains the actor (and critic) on the step's rollouts.
     updates = ppo_updates_per_step(cfg)
