@@ -26,8 +26,10 @@ phase() {  # phase NAME SECONDS [overrides...]
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
     echo "=== $name (limit ${limit}s)"
-    if ! timeout --kill-after=10 "$limit" "$PYTHON" bench/gpu_bench.py "$name" --out "$OUT" "${TINY[@]}" "$@"; then
-        echo "=== $name FAILED (exit $?) after $((SECONDS - start))s"
+    timeout --kill-after=10 "$limit" "$PYTHON" bench/gpu_bench.py "$name" --out "$OUT" "${TINY[@]}" "$@"
+    local rc=$?  # 124: over its limit
+    if [[ $rc -ne 0 ]]; then
+        echo "=== $name FAILED (exit $rc) after $((SECONDS - start))s"
         touch "$OUT/$name.failed"
     else
         echo "=== $name done in $((SECONDS - start))s"

@@ -8,24 +8,26 @@ before a GPU is at hand. The figures themselves mean nothing on CPU.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import clean_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
 def test_gpu_bench_script_runs_every_phase_at_toy_size(tmp_path):
-    env = {**os.environ, "BENCH_OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    # Without the rank variables an in-process run of this worker left behind (its port, its world).
+    env = clean_env(BENCH_OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     done = subprocess.run(["bash", "bench/gpu.sh", "--tiny"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["failed_phases"] == [], done.stdout[-3000:]
+    assert summary["failed_phases"] == [], done.stdout[-3000:] + done.stderr[-3000:]
     for phase in ("matmul", "sft", "sft_micro4x", "decode", "ppo", "ppo_graph"):
         assert phase in summary, phase
     decode = summary["decode"]
