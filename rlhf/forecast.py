@@ -64,7 +64,7 @@ class Rates:
     # Per layer and micro batch of training: forward and backward ops dispatched one after the other
     # (on a GPU they queue asynchronously behind training-sized work: 0).
     train_layer_overhead_s: float = 0.0
-    # CPU: (precision, threads) for probing a model's training micro batch (train_overhead_s).
+    # CPU: (precision, threads) for probing a model's training micro batch (overheads_s).
     probe: tuple[str, int] | None = None
     measured: str = ""  # how the FLOP rate was found, when it was measured rather than read
     # ZeRO offload: bytes/s over one device's host link (PCIe) and of its share of the host's memory
@@ -166,9 +166,9 @@ def hardware_rates(cfg: Config) -> Rates:
         flops, layer_s, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
         rates = Rates(flops, float("inf"), link_bps, layer_s, train_layer_overhead_s=3 * layer_s, measured=how,
                       probe=(hw.precision, hw.torch_threads))
-        if probe_cpu_training(cfg.model, *rates.probe, flops):
-            rates.measured += (f"; a training micro batch of the model spends {train_overhead_s(cfg.model, rates) * 1e3:.1f}"
-                               f" ms beyond its FLOPs, a forward {forward_overhead_s(cfg.model, rates) * 1e3:.1f} ms")
+        if measured := probe_cpu_training(cfg.model, *rates.probe, flops):
+            rates.measured += (f"; a training micro batch of the model spends {measured[0] * 1e3:.1f} ms beyond its "
+                               f"FLOPs, a forward {measured[1] * 1e3:.1f} ms")
         return rates
     if not hw.peak_tflops:
         raise ValueError(f"hardware={hw.name} has no hardware.peak_tflops: the forecast needs the device's peak")
@@ -272,25 +272,15 @@ TRAIN_PROBE_SHAPE = (16, 32)
 TRAIN_PROBE_MAX_PARAMS = 50e6
 
 
-def train_overhead_s(m: ModelConfig, rates: Rates) -> float:
-    """Seconds a training micro batch of model ``m`` spends beyond its FLOPs: on CPU measured on the
-    architecture itself where it is small enough (probe_cpu_training), else per layer from the rates."""
-    if rates.probe:
-        measured = probe_cpu_training(m, *rates.probe, rates.flops)
-        if measured is not None:
-            return measured[0]
-    return m.num_layers * rates.train_layer_overhead_s
-
-
-def forward_overhead_s(m: ModelConfig, rates: Rates) -> float:
-    """The same for a scoring forward without gradients (PPO's reference, critic and reward model):
-    measured on CPU where the model is small enough, else a third of the training figure; 0 on GPUs,
-    where the ops queue behind the work."""
-    if rates.probe:
-        measured = probe_cpu_training(m, *rates.probe, rates.flops)
-        if measured is not None:
-            return measured[1]
-    return m.num_layers * rates.train_layer_overhead_s / 3
+def overheads_s(m: ModelConfig, rates: Rates) -> tuple[float, float]:
+    """Seconds a training micro batch, and a scoring forward without gradients, of model ``m`` spend
+    beyond their FLOPs: on CPU measured on the architecture itself where it is small enough
+    (probe_cpu_training); else per layer from the rates, a third of it for a forward (0 on GPUs,
+    where the ops queue behind the work)."""
+    if rates.probe and (measured := probe_cpu_training(m, *rates.probe, rates.flops)) is not None:
+        return measured
+    per_micro = m.num_layers * rates.train_layer_overhead_s
+    return per_micro, per_micro / 3
 
 
 def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: float) -> tuple[float, float] | None:
@@ -435,6 +425,7 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         return _ppo(cfg, part_rows, rates, notes, lengths)
     pairs = STEPS[step.name].rows == "pairs"
     seqs = step.micro_batch_size_per_device * step.gradient_accumulation_steps * (2 if pairs else 1)
+    source = "the benchmark's rows" if lengths else "the mean padded micro batch of the data"
     lengths = lengths or padded_lengths(cfg, step.micro_batch_size_per_device, pairs)
     seq = min(step.max_seq_len, lengths[0]) if lengths else step.max_seq_len
     per_epoch = part_rows // step.global_batch_size if part_rows else 1
@@ -449,7 +440,7 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
                        hw.precision, rates)
-    dispatch = step.gradient_accumulation_steps * train_overhead_s(cfg.model, rates)
+    dispatch = step.gradient_accumulation_steps * overheads_s(cfg.model, rates)[0]
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
     if offload := offload_s(cfg, total + lora_params, trainable, step.gradient_accumulation_steps, rates, notes):
@@ -457,7 +448,7 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "
             f"{step.global_batch_size} x {seq:.0f} tokens" if part_rows else f"{steps:,} optimizer steps (step.max_steps)")
     if lengths:
-        notes.append(f"{seq:.0f} tokens: the mean padded micro batch of the data (step.max_seq_len={step.max_seq_len})")
+        notes.append(f"{seq:.0f} tokens: {source} (step.max_seq_len={step.max_seq_len})")
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per optimizer step")
     if getattr(step, "stop_at_accuracy", None) is not None or getattr(step, "early_stop_patience", 0):
@@ -497,9 +488,10 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     actor, critic = cfg.model, _critic_model(cfg)
     roles = {r.name: r for r in step_roles(cfg)}
     batch, prompt, answer = step.rollout_batch_size_per_device, step.max_prompt_len, step.max_new_tokens
+    source = "the benchmark's prompts" if lengths else "the mean padded rollout batch of the data"
     if lengths := lengths or padded_lengths(cfg, batch, False):  # prompts left-padded to the batch's longest
         prompt = min(prompt, round(lengths[1]))
-        notes.append(f"{prompt} prompt tokens: the mean padded rollout batch of the data "
+        notes.append(f"{prompt} prompt tokens: {source} "
                      f"(step.max_prompt_len={step.max_prompt_len})")
     seq = prompt + answer
     width = bytes_per_param(hw.precision)
@@ -532,11 +524,11 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     for name in ("reference", "critic", "reward"):
         if name in roles:
             scoring += forward_flops(sizes[name], batch * seq, seq / 2, name == "reference") / rates.flops
-            scoring += calls * forward_overhead_s(sizes[name], rates)
+            scoring += calls * overheads_s(sizes[name], rates)[1]
             if cfg.zero.stage == 3:
                 scoring += collective_s(param_counts(sizes[name])[0] * width, world, rates)
     if step.old_logprobs == "recompute":
-        scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops + calls * forward_overhead_s(actor, rates)
+        scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops + calls * overheads_s(actor, rates)[1]
 
     # Updates: every PPO epoch trains the actor (and critic) on the step's rollouts.
     updates = ppo_updates_per_step(cfg)
@@ -560,8 +552,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     if "reward" in roles:
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
     micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
-    train_dispatch = micro * (train_overhead_s(actor, rates) + (train_overhead_s(critic, rates) if "critic" in roles
-                                                                else 0.0))
+    train_dispatch = micro * (overheads_s(actor, rates)[0] + (overheads_s(critic, rates)[0] if "critic" in roles else 0.0))
     phases = {"generation": steps * generate, "scoring": steps * scoring,
               "updates": steps * (train / rates.flops + train_dispatch),
               "communication": steps * comm, "evaluation": (evals + 2) * greedy}
