@@ -39,6 +39,11 @@ def init_distributed(cfg: Config) -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if int(os.environ["WORLD_SIZE"]) == 1 and cfg.hardware.accelerator == "cpu":
+        # DeepSpeed's CPU backend compiles its shared-memory all-reduce op on a machine's first run
+        # (30-70 s, a C++ toolchain needed) even where one rank has nothing to reduce. Its op table
+        # is a module-level dict meant to be edited; marked unavailable, the backend uses plain gloo.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
         from datetime import timedelta
 

@@ -270,6 +270,20 @@ def test_help_lists_the_groups_as_files_and_the_sweeps_without_schema_entries():
     assert len(proc.stdout.splitlines()) < 40, "a page, not a dump of every key"
 
 
+def test_a_one_process_cpu_run_compiles_no_deepspeed_op(tmp_path):
+    """DeepSpeed's CPU backend compiles its shared-memory all-reduce on a machine's first run (30-70 s
+    and a C++ toolchain) though one rank reduces nothing: a new user's first `make run` paid it."""
+    from tests.conftest import clean_env, run_cli
+
+    ext = tmp_path / "torch_extensions"
+    proc = run_cli("step=sft", "step.max_steps=2", "step.log_every_steps=1", "data.max_eval_samples=16",
+                   "logging.progress_bar=false", "step.save_model=false", f"run_dir={tmp_path / 'run'}", env=clean_env(TORCH_EXTENSIONS_DIR=str(ext)),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(tmp_path / "run")) == 2
+    assert not list(ext.glob("**/*.so")) and "built successfully" not in proc.stdout + proc.stderr
+
+
 def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, monkeypatch, capsys):
     """torch waits forever on an extension's build lock; a killed build leaves one behind."""
     import os
