@@ -87,9 +87,16 @@ def run_chain(seed: int, out: Path, args) -> dict:
         # The chain's own PPO settings stay; the rule replaces the reward model on top of them.
         overrides += ["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0",
                       "pipeline.steps=[sft,ppo]"]
+    from rlhf.errors import ConfigError
+
     cfg = compose_config(overrides)
     start = time.perf_counter()
-    run(cfg, overrides=overrides)
+    try:
+        run(cfg, overrides=overrides)
+    except ConfigError as err:  # the chain refused a step: a row of the table, and the next seed runs
+        if "not started" not in str(err) and "before its first update" not in str(err):
+            raise
+        return {"seed": seed, "refused": str(err), "wall_s": round(time.perf_counter() - start, 1)}
     wall = time.perf_counter() - start
     ppo = json.loads((out / "ppo" / "final_metrics.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
@@ -113,11 +120,13 @@ def run_chain(seed: int, out: Path, args) -> dict:
     result["gain_points"] = round(100 * (result["test_ppo"] - result["test_sft"]), 1)
     if not args.rule_reward:
         result["rm_heldout_acc"] = round(manifest["steps"]["reward"]["metrics"]["eval/acc"], 4)
+        if "select/policy_rm_auc_before" in ppo:
+            result["rm_policy_auc"] = round(ppo["select/policy_rm_auc_before"], 4)
     return result
 
 
 COLUMNS = ("seed", "sft", "ppo_output", "ppo_last", "best_step", "test_sft", "test_ppo", "gain_points", "kl_last10",
-           "rm_heldout_acc", "warnings", "wall_s")
+           "rm_heldout_acc", "rm_policy_auc", "warnings", "wall_s")
 
 
 def table(results: list[dict]) -> str:
@@ -144,9 +153,13 @@ def main() -> None:
             runs.append((args.seeds[0], out / f"seed{args.seeds[0]}_again"))
         results = [run_chain(seed, folder, args) for seed, folder in runs]
     print(table(results))
-    gains = [r["gain_points"] for r in results]
+    for r in results:
+        if "refused" in r:
+            print(f"seed {r['seed']}: {r['refused']}")
+    gains = [r.get("gain_points", 0.0) for r in results]  # a refused chain gained nothing
     summary = {"reward": "rule" if args.rule_reward else "reward model", "seeds": args.seeds,
                "min_gain_points": min(gains), "mean_gain_points": round(statistics.mean(gains), 1),
+               "refused": [r["seed"] for r in results if "refused" in r],
                "max_wall_s": max(r["wall_s"] for r in results), "target_gain_points": 20, "rows": results}
     if args.repeat:
         a, b = results[0], results[-1]

@@ -58,6 +58,46 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
     return None
 
 
+def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, run_dir: Path) -> str | None:
+    """Why PPO should not train against this reward model, judged at PPO's start from the reward
+    model's scores of the policy's own sampled answers (``figures``: rlhf.runners.ppo.policy_check's,
+    ``scored``: its rows, best-scored first); None if the AUC by the rule reaches
+    ``pipe.reward_min_policy_auc``. Held-out pairs can be ranked perfectly by a model that has never
+    seen the mistakes this policy makes; PPO then climbs their scores."""
+    auc = figures.get("select/policy_rm_auc")
+    if not pipe.reward_min_policy_auc or auc is None or auc != auc or auc >= pipe.reward_min_policy_auc:
+        return None
+    rights = sorted(r["rm_score"] for r in scored if r["rule"] == 1)
+    median_right = rights[len(rights) // 2] if rights else float("-inf")
+    wrong = next((r for r in scored if r["rule"] == 0 and r["rm_score"] > median_right), None)
+    example = (f", e.g. {wrong['prompt'].strip()!r} -> {wrong['answer'].strip()!r} scored {wrong['rm_score']:.2f}, above "
+               f"the median right answer's {median_right:.2f}" if wrong else "")
+    pairs = chain_final(run_dir.parent, "reward").get("eval/acc")
+    held_out = f" (on its held-out pairs: {pairs:.3f})" if pairs is not None else ""
+    return (f"the reward model separates the policy's own sampled answers, right from wrong by the rule, with AUC "
+            f"{auc:.3f}{held_out}, below pipeline.reward_min_policy_auc={pipe.reward_min_policy_auc}: it scores "
+            f"mistakes this policy makes as right{example}, and PPO would learn them. Add answers like these "
+            f"to your pairs as rejected ({run_dir / 'policy_check.jsonl'} has every scored answer), or reward PPO "
+            f"with the rule ({rule}): pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0")
+
+
+def chain_settings(step_dir: Path):
+    """The pipeline settings of the chain whose step runs in ``step_dir`` (rlhf.config.PipelineConfig),
+    read from the chain's config.yaml in the folder above; None for a step run on its own."""
+    from rlhf.config import PipelineConfig
+
+    chain_config = step_dir.parent / "config.yaml"
+    if not chain_config.exists() or "pipeline" not in (chain := OmegaConf.load(chain_config)):
+        return None
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), chain.pipeline))
+
+
+def chain_final(chain_dir: Path, step: str) -> dict:
+    """A chain step's final figures ({} if it has none)."""
+    f = chain_dir / step / "final_metrics.json"
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
 def constant_answer_accuracy(rule, prompts: list[str], answers: list[str], top: int = 16) -> tuple[float, str]:
     """The accuracy by ``rule`` on ``prompts`` of the best single answer given to all of them, among
     the ``top`` most frequent of ``answers`` (the training answers), and that answer: what a policy

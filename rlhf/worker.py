@@ -116,16 +116,12 @@ def main(cfg: Config) -> dict:
 def judge_start(cfg: Config, steps: list[str]) -> None:
     """A chain's step started in a launch of several ranks is judged as the one-process chain judges
     it (rlhf.readiness.weak_step), from the chain's settings in the folder above the step's."""
-    from omegaconf import OmegaConf
-
-    from rlhf.config import ConfigError, PipelineConfig
-    from rlhf.readiness import weak_step
+    from rlhf.config import ConfigError
+    from rlhf.readiness import chain_settings, weak_step
 
     chain_dir = Path(cfg.run_dir).parent
-    if not (chain_dir / "config.yaml").exists():
+    if (pipe := chain_settings(Path(cfg.run_dir))) is None:
         return
-    pipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig),
-                                               OmegaConf.load(chain_dir / "config.yaml").get("pipeline", {})))
     if not (why := weak_step(pipe, cfg.step.name, cfg, chain_dir, steps)):
         return
     if pipe.on_weak_step == "stop":

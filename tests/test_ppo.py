@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlhf.config import ConfigError, to_schema
 from rlhf.launch import run
-from tests.conftest import compose, run_cli
+from tests.conftest import compose, run_cli, same_run
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
 PPO_FAST = ["step=ppo", "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=8",
@@ -63,6 +63,46 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
     if extra:  # offloaded frozen roles live partitioned in host memory
         assert ds["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
         assert ds["reward"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_misjudges_the_policy(
+        tmp_path, sft_and_reward, monkeypatch):
+    """Before any update PPO scores the policy's own sampled answers with the reward model and the
+    rule: their AUC (select/policy_rm_auc), every row in policy_check.jsonl. In a chain whose floor
+    (pipeline.reward_min_policy_auc) it misses, PPO stops with one line naming the figure, a wrong
+    answer the model scores above the right ones, and the fixes; on_weak_step=warn runs it with the
+    warning. The check draws from its own RNG: the run is the same without it."""
+    from omegaconf import OmegaConf
+
+    from rlhf.losses import auc
+    from rlhf.runners import ppo
+
+    _, rm = sft_and_reward
+    # A policy with right answers to sample (the shared 40-step one has none).
+    run(compose(["step=sft", "step.max_steps=100", *QUIET, f"run_dir={tmp_path / 'sft'}"]))
+    args = [*PPO_FAST, "step.max_steps=2", f"actor.path={tmp_path / 'sft' / 'model'}", f"critic.path={rm}"]
+    chain = tmp_path / "chain"
+    chain.mkdir()
+    OmegaConf.save({"pipeline": {"reward_min_policy_auc": 1.0}}, chain / "config.yaml")  # a floor nothing short of perfect meets
+    with pytest.raises(ConfigError, match=r"PPO stopped before its first update: the reward model separates the "
+                                          r"policy's own sampled answers, right from wrong by the rule, with AUC "
+                                          r"(0\.\d+), .*below pipeline.reward_min_policy_auc=1.0.*"
+                                          r"pipeline.ppo.step.reward_fn=rule.*pipeline.on_weak_step=warn") as err:
+        run(compose([*args, f"run_dir={chain / 'ppo'}"]))
+    rows = [json.loads(line) for line in open(chain / "ppo" / "policy_check.jsonl")]
+    assert len(rows) == 2 * 16 and {r["rule"] for r in rows} <= {0.0, 1.0}
+    scores, truth = torch.tensor([r["rm_score"] for r in rows]), torch.tensor([r["rule"] for r in rows])
+    assert f"AUC {auc(scores, truth):.3f}" in str(err.value)
+    assert not (chain / "ppo" / "final_metrics.json").exists()
+
+    OmegaConf.save({"pipeline": {"reward_min_policy_auc": 1.0, "on_weak_step": "warn"}}, chain / "config.yaml")
+    final = run(compose([*args, f"run_dir={chain / 'warned'}"]))
+    assert final["select/policy_rm_auc_before"] == pytest.approx(auc(scores, truth), abs=1e-6)
+    assert any(w.startswith("ran though it may not work (pipeline.on_weak_step=warn): the reward model separates")
+               for w in final["warnings"])
+    monkeypatch.setattr(ppo, "policy_check", lambda *a: ({}, []))
+    run(compose([*args, f"run_dir={tmp_path / 'unchecked'}"]))
+    same_run(chain / "warned", tmp_path / "unchecked", "policy_loss")
 
 
 def test_scoring_in_generation_chunks_gives_the_same_step(tmp_path, sft_and_reward):

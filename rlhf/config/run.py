@@ -92,6 +92,10 @@ class PipelineConfig:
     # Refuse PPO when the reward model's held-out pairwise accuracy is below this (0: never): PPO
     # finds and exploits the mistakes of a weak reward model.
     reward_min_accuracy: float = 0.0
+    # Stop PPO before its first update when the reward model separates the policy's own sampled
+    # answers (right or wrong by the rule) with an AUC below this (0: never): PPO climbs its scores of
+    # the mistakes this policy makes, which held-out pairs need not contain.
+    reward_min_policy_auc: float = 0.0
     # Refuse PPO when the SFT policy's held-out accuracy by the rule is below this (0: never): PPO can
     # only reinforce right answers it samples.
     min_policy_accuracy: float = 0.0
@@ -113,7 +117,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         _choice("pipeline.on_weak_step", self.on_weak_step, ("stop", "warn"))
-        for key in ("reward_min_accuracy", "min_policy_accuracy", "sft_loss_still_falling"):
+        for key in ("reward_min_accuracy", "reward_min_policy_auc", "min_policy_accuracy", "sft_loss_still_falling"):
             _positive(f"pipeline.{key}", getattr(self, key), allow_zero=True)
         for name in self.steps:
             _choice("pipeline.steps[]", name, tuple(STEP_SCHEMAS))

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from rlhf import engine as engine_factory
-from rlhf import losses, memory, models, rewards
+from rlhf import losses, memory, models, readiness, rewards
 from rlhf.checkpoint import (
     Checkpointer,
     StopRequest,
@@ -242,6 +242,47 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     if step_cfg.kl_in != "loss":
         del out["kl_loss"]
     return out
+
+
+POLICY_CHECK_SAMPLES = 2  # sampled answers per select prompt: 512 for the default 256 prompts
+
+
+@torch.no_grad()
+def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool) -> tuple[dict[str, float], list]:
+    """The reward model judged on the policy's own answers before any update: POLICY_CHECK_SAMPLES
+    answers per select prompt, sampled as the rollouts are, scored by the reward model and by the rule;
+    the AUC of the scores for the rule's right/wrong (select/policy_rm_auc). Held-out pairs show
+    only the mistakes their writer thought of; PPO climbs the reward model's scores of the mistakes
+    this policy makes. Returns the figures and this rank's scored rows, best-scored first. The draws
+    come from a forked RNG seeded by cfg.seed: the training run is the same with or without it."""
+    step_cfg, rank, world = cfg.step, dist.get_rank(), dist.get_world_size()
+    if roles.reward is None or roles.eval_rule is None or not rewards.knows(roles.eval_rule, [p["prompt"] for p in prompts.select]):
+        return {}, []
+    rows = [p for p in prompts.select for _ in range(POLICY_CHECK_SAMPLES)]
+    per_rank = -(-len(rows) // world)  # equal forward counts per rank, as ZeRO-3's gathers need
+    mine = [rows[i % len(rows)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    chunk = step_cfg.generation_batch_size_per_device or step_cfg.rollout_batch_size_per_device
+    scored: list[dict] = []
+    device = roles.actor.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(cfg.seed + rank)
+        for i in range(0, len(mine), chunk):
+            batch = left_pad(mine[i:i + chunk], roles.tokenizer.pad_token_id)
+            response = generate(roles.actor, batch, roles.tokenizer, step_cfg.max_new_tokens, step_cfg.do_sample,
+                                step_cfg.temperature, step_cfg.top_p, step_cfg.top_k, step_cfg.min_new_tokens,
+                                gather_whole, static=step_cfg.decode_graph)
+            rmask = response_mask(response, roles.tokenizer.eos_token_id)
+            answers = answer_texts(roles.tokenizer, response, rmask)
+            seq = torch.cat([batch["input_ids"].to(device), response], 1)
+            attn = torch.cat([batch["attention_mask"].to(device), rmask], 1)
+            rm = losses.gather_at(roles.reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float()
+            scored += [{"prompt": p, "answer": a, "rule": roles.eval_rule(p, a), "rm_score": round(r, 4)}
+                       for p, a, r in zip(batch["prompts"], answers, rm.cpu().tolist(), strict=True)]
+    both = cat_over_ranks(torch.tensor([[r["rm_score"], r["rule"]] for r in scored], dtype=torch.float32))
+    out = {"select/policy_sampled_accuracy": both[:, 1].mean().item()}
+    if bool(((both[:, 1] == 0) | (both[:, 1] == 1)).all()):  # a right/wrong rule
+        out["select/policy_rm_auc"] = losses.auc(both[:, 0], both[:, 1])
+    return out, sorted(scored, key=lambda r: -r["rm_score"])
 
 
 def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
@@ -496,7 +537,7 @@ class Judge:
             return metrics
         self.history.append((step, chosen["eval/accuracy"]))
         if self.best and (why := hacking_warning(self.best["select"], chosen, len(self.prompts.select))) \
-                and not self.warnings:
+                and not any("reward hacking" in w for w in self.warnings):
             self.warnings.append(f"step {step}: {why}")
             if rank == 0:
                 say(f"[ppo] WARNING {self.warnings[-1]}")
@@ -510,6 +551,31 @@ class Judge:
     @property
     def keeps_best(self) -> bool:
         return self.cfg.step.keep_best and self.roles.eval_rule is not None and self.cfg.step.save_model
+
+
+def start_check(cfg: Config, roles: Roles, prompts: Prompts, judge: Judge, gather_whole: bool) -> dict[str, float]:
+    """policy_check's figures, logged at step 0 with every scored answer in policy_check.jsonl; in a
+    chain whose reward model misjudges the policy (rlhf.readiness.reward_misjudges_policy) PPO stops
+    here (pipeline.on_weak_step=stop) or carries the warning."""
+    figures, scored = policy_check(roles, prompts, cfg, gather_whole)
+    if not figures:
+        return {}
+    run_dir, rank = Path(cfg.run_dir), dist.get_rank()
+    judge.logger.log(figures, step=0)
+    if rank == 0:
+        with open(run_dir / "policy_check.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in scored)
+        say("[ppo] the reward model on the policy's own sampled answers: " +
+            " ".join(f"{k.removeprefix('select/')}={v:.4f}" for k, v in figures.items()))
+    pipe = readiness.chain_settings(run_dir)
+    why = pipe and readiness.reward_misjudges_policy(pipe, figures, scored, cfg.data.rule or "synthetic", run_dir)
+    if why and pipe.on_weak_step == "stop":
+        raise ConfigError(f"PPO stopped before its first update: {why}; or pipeline.on_weak_step=warn runs it anyway")
+    if why:
+        judge.warnings.append(f"ran though it may not work (pipeline.on_weak_step=warn): {why}")
+        if rank == 0:
+            say(f"[ppo] WARNING {judge.warnings[-1]}")
+    return figures
 
 
 def train_step(roles: Roles, prompts: Prompts, batch: dict, cfg: Config, kl_ctl, moments, generator,
@@ -581,7 +647,8 @@ def run(cfg: Config) -> dict:
             say(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})")
     else:
         fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
-        first = last = judge.evaluate(0, True, prompts.steps)
+        check = start_check(cfg, roles, prompts, judge, gather_whole)
+        first = last = {**judge.evaluate(0, True, prompts.steps), **check}
         step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
 
     def state(epoch: int, batch_index: int) -> dict:
