@@ -183,7 +183,8 @@ SUMMARY_FIGURES = {
             ("eval/accuracy", "held-out accuracy by the rule", True)],
     "simpo": [("eval/pref_acc", "held-out preference accuracy", True),
               ("eval/accuracy", "held-out accuracy by the rule", True)],
-    "ppo": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/rm_score", "reward-model score", False)],
+    "ppo": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/rm_score", "reward-model score", False),
+            ("select/policy_rm_auc_before", "reward model's AUC on the start policy's samples", False)],
 }
 
 

@@ -244,7 +244,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     return out
 
 
-POLICY_CHECK_SAMPLES = 2  # sampled answers per select prompt: 512 for the default 256 prompts
+POLICY_CHECK_SAMPLES = 4  # sampled answers per select prompt: 1024 for the default 256 prompts
 
 
 @torch.no_grad()
