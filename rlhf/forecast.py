@@ -551,11 +551,20 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, hw.precision, rates)
     if "reward" in roles:
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
+    # The start check (rlhf.runners.ppo.policy_check): sampled answers to the select half, scored by
+    # the reward model.
+    check = 0.0
+    if "reward" in roles:
+        from rlhf.runners.ppo import POLICY_CHECK_SAMPLES
+
+        samples = -(-step.eval_prompts * POLICY_CHECK_SAMPLES // world)
+        check = generation_s(actor, samples, chunk, prompt, answer, hw.precision, rates) \
+            + forward_flops(critic, samples * seq, seq / 2, False) / rates.flops
     micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
     train_dispatch = micro * (overheads_s(actor, rates)[0] + (overheads_s(critic, rates)[0] if "critic" in roles else 0.0))
     phases = {"generation": steps * generate, "scoring": steps * scoring,
               "updates": steps * (train / rates.flops + train_dispatch),
-              "communication": steps * comm, "evaluation": (evals + 2) * greedy}
+              "communication": steps * comm, "evaluation": (evals + 2) * greedy + check}
     if offload:
         phases["offload"] = steps * offload
     work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
