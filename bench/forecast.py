@@ -6,9 +6,9 @@ Published figures: applications/DeepSpeed-Chat/README.md in microsoft/DeepSpeedE
 (step 3, OPT-1.3B ... 175B actors with an OPT-350M critic and reward model, 1x V100 ... 64x
 A100-80G) and the three end-to-end breakdowns (steps 1, 2 and 3 of OPT-1.3B on 1x A6000, OPT-13B on
 8x A100-40G, OPT-66B on 64x A100-80G). Table 1's conditions (training/step3_rlhf_finetuning/
-BenckmarkSetting.md): one epoch of 131.9k prompts of 256 tokens with 256 generated, generation batch
-= training batch, one PPO epoch, the largest batch that fits up to 1024 rollouts per step; modelled
-here with the memory pre-flight choosing that batch. Own figures: docs/benchmarks.md (bench/gpu.sh
+BenckmarkSetting.md): one epoch of 264,292 prompts of 256 tokens with 256 generated, generation
+batch = training batch, one PPO epoch, the largest batch that fits up to 1024 rollouts per step;
+modelled here with the memory pre-flight choosing that batch. Own figures: docs/benchmarks.md (bench/gpu.sh
 on one H200).
 
     python bench/forecast.py            # the table, then one JSON line with the summary
@@ -56,8 +56,12 @@ TABLE1 = {
     ("opt-66b", "64xa100-80g"): (7.5, 1920),
     ("opt-175b", "64xa100-80g"): (20.0, 5120),
 }
-# The benchmark's prompts (BenckmarkSetting.md: "131.9k queries with sequence length 256").
-BENCH_PROMPTS = 131_900
+# The benchmark's prompts. BenckmarkSetting.md: "The total training samples we have here is 264292
+# ... the total training tokens per epoch is 135,317,504" (= 264,292 x (256 + 256)); the README's
+# "67.5M query tokens" is 264k prompts of 256 tokens as well. The README's "(131.9k queries with
+# sequence length 256)" beside it contradicts both (131.9k x 256 = 33.8M); this table used it
+# until commit 3e5cbf2, which halved every Table 1 forecast.
+BENCH_PROMPTS = 264_292
 # The end-to-end examples: experiment file -> published hours of steps 1, 2 and 3.
 E2E = {
     "opt-1.3b_a6000": {"sft": 2900 / 3600, "reward": 670 / 3600, "ppo": 1.2},
@@ -74,6 +78,7 @@ def cell_config(actor: str, hardware: str, batch: int, zero: int, offload_refere
         f"step.rollout_batch_size_per_device={batch}", f"step.micro_batch_size_per_device={batch}",
         "step.gradient_accumulation_steps=1", "step.ppo_epochs=1", "step.epochs=1",
         "step.old_logprobs=recompute",  # DeepSpeed-Chat scores the actor's log-probs in a forward pass
+        "step.eval_every_steps=0",  # its step 3 (main.py) evaluates nothing while it trains
         f"step.offload_reference={str(offload_reference).lower()}", f"lora.only_optimize_lora={str(lora_only).lower()}"]))
 
 
