@@ -39,7 +39,10 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
             return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="
                     f"{pipe.min_policy_accuracy}: PPO can only reinforce right answers it samples, and it samples "
                     "almost none. Train SFT longer (pipeline.sft.step.epochs=N)")
-    if pipe.sft_loss_still_falling and "sft" in steps and steps.index("sft") == steps.index(name) - 1:
+    after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
+    if pipe.sft_beyond_constant and after_sft and (why := _only_a_constant(final("sft"), chain_dir)):
+        return why
+    if pipe.sft_loss_still_falling and after_sft:
         sft = final("sft")
         f = chain_dir / "sft" / "metrics.jsonl"
         losses = [row["eval/loss"] for row in map(json.loads, f.open()) if "eval/loss" in row] if f.exists() else []
@@ -56,6 +59,24 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
                            if step_stop < 2 and "select/accuracy" in sft else "")
                         + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
     return None
+
+
+def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
+    """SFT ended no better than the best constant answer, beyond the noise of two evaluations of its
+    select prompts (two standard errors of their difference): it learned which answer is common, not
+    the task. Neither a reward model nor PPO learns what SFT could not (a count task: reward model
+    0.723, PPO rewarded by the rule +0.2)."""
+    acc, constant = sft.get("select/accuracy"), sft.get("select/constant_accuracy")
+    if acc is None or constant is None or constant < 0.05:  # no answer is often right: nothing to confuse
+        return None
+    n = OmegaConf.load(chain_dir / "sft" / "config.yaml").step.get("eval_accuracy_prompts") or 0
+    noise = 2 * (2 * constant * (1 - constant) / max(n, 1)) ** 0.5
+    if acc - constant > noise:
+        return None
+    return (f"SFT's held-out accuracy {acc:.1%} is within the noise ({noise:.1%} over {n} prompts) of always giving "
+            f"the best single answer ({constant:.1%}): the model learned which answer is common, not the task, "
+            "and RLHF seldom teaches what SFT could not. Try a larger model, more or simpler rows, or another "
+            "learning rate (pipeline.sft.optim.lr=X)")
 
 
 def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, run_dir: Path) -> str | None:

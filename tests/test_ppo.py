@@ -319,6 +319,32 @@ def test_the_chain_refuses_a_step_that_cannot_work_with_one_line(tmp_path):
         run(compose(reward), overrides=reward)
 
 
+def test_an_sft_no_better_than_one_constant_answer_is_refused(tmp_path):
+    """A count task: SFT ended at 45.6% where always answering " 1" is right for 41.1% of the 256
+    select prompts, inside two standard errors (8.7 points): the step after SFT is refused. Beyond the
+    noise, or where no single answer is often right, it is not."""
+    from omegaconf import OmegaConf
+
+    from rlhf.readiness import weak_step
+
+    (tmp_path / "sft").mkdir()
+    OmegaConf.save({"step": {"eval_accuracy_prompts": 256}}, tmp_path / "sft" / "config.yaml")
+    pipe = OmegaConf.create({"reward_min_accuracy": 0, "min_policy_accuracy": 0, "sft_loss_still_falling": 0,
+                             "sft_beyond_constant": True})
+
+    def why(accuracy: float, constant: float) -> str | None:
+        final = {"select/accuracy": accuracy, "select/constant_accuracy": constant, "eval/accuracy": accuracy}
+        (tmp_path / "sft" / "final_metrics.json").write_text(json.dumps(final))
+        return weak_step(pipe, "reward", OmegaConf.create({}), tmp_path, ["sft", "reward", "ppo"])
+
+    assert why(0.456, 0.411).startswith("SFT's held-out accuracy 45.6% is within the noise (8.7% over 256 prompts) "
+                                        "of always giving the best single answer (41.1%)")
+    assert why(0.52, 0.411) is None, "11 points over the constant is beyond the noise of 256 prompts"
+    assert why(0.02, 0.004) is None, "no answer is often right (sort): min_policy_accuracy's case, not this one"
+    pipe.sft_beyond_constant = False
+    assert why(0.456, 0.411) is None
+
+
 @pytest.mark.parametrize("rule", ["", "my_rule:score"])
 def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path, rule):
     """The refusal names the figure and the floor; where the user has a rule, it also offers that rule
@@ -330,7 +356,8 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     for step, final in (("sft", {"eval/accuracy": 0.30, "select/accuracy": 0.31}), ("reward", {"eval/acc": 0.71})):
         (tmp_path / step).mkdir()
         (tmp_path / step / "final_metrics.json").write_text(json.dumps(final))
-    pipe = OmegaConf.create({"reward_min_accuracy": 0.975, "min_policy_accuracy": 0.02, "sft_loss_still_falling": 0})
+    pipe = OmegaConf.create({"reward_min_accuracy": 0.975, "min_policy_accuracy": 0.02, "sft_loss_still_falling": 0,
+                             "sft_beyond_constant": False})
     step = OmegaConf.create({"step": {"reward_model_weight": 1.0}, "data": {"rule": rule}})
     why = weak_step(pipe, "ppo", step, tmp_path, ["sft", "reward", "ppo"])
     assert why.startswith("the reward model's held-out pairwise accuracy 0.710 is below pipeline.reward_min_accuracy=0.975")

@@ -102,6 +102,9 @@ class PipelineConfig:
     # Refuse the step after SFT when SFT ended with its held-out loss still falling by more than this
     # fraction over its last evaluation interval (0: never): it stopped before it was ready.
     sft_loss_still_falling: float = 0.0
+    # Refuse the step after SFT when SFT's held-out accuracy is within noise of always giving the best
+    # single training answer (where that answer is right for 5% or more): it did not learn the task.
+    sft_beyond_constant: bool = False
     # What a step that cannot work gets: stop (the chain ends before it, exit code 2, one line naming
     # the figure, the reason and the override) or warn (say so and run it anyway).
     on_weak_step: str = "stop"
