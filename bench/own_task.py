@@ -166,7 +166,9 @@ def run_task(task: str, args) -> dict:
     steps = [s for s in (("sft", "ppo") if args.rule_reward else ("sft", "reward", "ppo"))
              if (out / "chain" / s / "final_metrics.json").exists()]
     final = {s: json.loads((out / "chain" / s / "final_metrics.json").read_text()) for s in steps}
-    refusal = [line for line in text.splitlines() if "not started:" in line or "before its first update:" in line]
+    from rlhf.readiness import RUN_ANYWAY
+
+    refusal = [line for line in text.splitlines() if RUN_ANYWAY in line]
     if proc.returncode == 2 and refusal:  # the chain refused a step: its own one line
         result["refused"] = refusal[0]
     elif proc.returncode:

@@ -560,7 +560,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # the reward model.
     check = 0.0
     if "reward" in roles:
-        from rlhf.runners.ppo import POLICY_CHECK_SAMPLES
+        from rlhf.readiness import POLICY_CHECK_SAMPLES
 
         samples = -(-step.eval_prompts * POLICY_CHECK_SAMPLES // world)
         check = generation_s(actor, samples, chunk, prompt, answer, hw.precision, rates) \

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf import launch_step
 from rlhf.config import STEPS, Config, ConfigError, compose_config, to_schema
 from rlhf.files import write_whole
-from rlhf.readiness import weak_step
+from rlhf.readiness import RUN_ANYWAY, weak_step
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
 # Role paths typed on the command line are passed on and win over the chain's own outputs.
@@ -143,7 +143,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             why = weak_step(schema.pipeline, name, step_schema, chain_dir, list(planned))
             if why and schema.pipeline.on_weak_step == "stop":
                 write_whole(manifest_path, json.dumps(manifest, indent=2))
-                raise ConfigError(f"{STEPS[name].title} not started: {why}; or pipeline.on_weak_step=warn runs it anyway")
+                raise ConfigError(f"{STEPS[name].title} not started: {why}; {RUN_ANYWAY}")
             if why:
                 print(f"[e2e] WARNING {STEPS[name].title} may not work: {why}", flush=True)
             print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)

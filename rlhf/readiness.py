@@ -14,14 +14,20 @@ from omegaconf import OmegaConf
 
 from rlhf.config import Config
 
+# Every refusal of a weak step ends with this: how to run the step anyway (and how a caller that
+# collects refusals, such as the benchmarks, tells one from another error).
+RUN_ANYWAY = "or pipeline.on_weak_step=warn runs it anyway"
+# PPO's start check (rlhf.runners.ppo.policy_check): sampled answers per select prompt, 1024 for the
+# default 256 prompts.
+POLICY_CHECK_SAMPLES = 4
+
 
 def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) -> str | None:
     """Why the chain's step ``name`` cannot work, judged from the final figures of the steps before it
     in ``chain_dir`` and the chain's floors (``pipe``: its pipeline settings); None if nothing says so.
     One line: the figure, why it dooms the step, and the override that fixes it."""
     def final(prev: str) -> dict:
-        f = chain_dir / prev / "final_metrics.json"
-        return json.loads(f.read_text()) if prev in steps and f.exists() else {}
+        return chain_final(chain_dir, prev) if prev in steps else {}
 
     if name == "ppo":
         rm = final("reward").get("eval/acc")

@@ -117,7 +117,7 @@ def judge_start(cfg: Config, steps: list[str]) -> None:
     """A chain's step started in a launch of several ranks is judged as the one-process chain judges
     it (rlhf.readiness.weak_step), from the chain's settings in the folder above the step's."""
     from rlhf.config import ConfigError
-    from rlhf.readiness import chain_settings, weak_step
+    from rlhf.readiness import RUN_ANYWAY, chain_settings, weak_step
 
     chain_dir = Path(cfg.run_dir).parent
     if (pipe := chain_settings(Path(cfg.run_dir))) is None:
@@ -125,7 +125,7 @@ def judge_start(cfg: Config, steps: list[str]) -> None:
     if not (why := weak_step(pipe, cfg.step.name, cfg, chain_dir, steps)):
         return
     if pipe.on_weak_step == "stop":
-        raise ConfigError(f"{cfg.step.name} not started: {why}; or pipeline.on_weak_step=warn runs it anyway")
+        raise ConfigError(f"{cfg.step.name} not started: {why}; {RUN_ANYWAY}")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[e2e] WARNING {cfg.step.name} may not work: {why}", flush=True)
 

@@ -244,13 +244,11 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     return out
 
 
-POLICY_CHECK_SAMPLES = 4  # sampled answers per select prompt: 1024 for the default 256 prompts
-
-
 @torch.no_grad()
 def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool) -> tuple[dict[str, float], list]:
-    """The reward model judged on the policy's own answers before any update: POLICY_CHECK_SAMPLES
-    answers per select prompt, sampled as the rollouts are, scored by the reward model and by the rule;
+    """The reward model judged on the policy's own answers before any update:
+    readiness.POLICY_CHECK_SAMPLES answers per select prompt, sampled as the rollouts are, scored by
+    the reward model and by the rule (sequence_scores);
     the AUC of the scores for the rule's right/wrong (select/policy_rm_auc). Held-out pairs show
     only the mistakes their writer thought of; PPO climbs the reward model's scores of the mistakes
     this policy makes. Returns the figures and this rank's scored rows, best-scored first. The draws
@@ -258,7 +256,7 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool
     step_cfg, rank, world = cfg.step, dist.get_rank(), dist.get_world_size()
     if roles.reward is None or roles.eval_rule is None or not rewards.knows(roles.eval_rule, [p["prompt"] for p in prompts.select]):
         return {}, []
-    rows = [p for p in prompts.select for _ in range(POLICY_CHECK_SAMPLES)]
+    rows = [p for p in prompts.select for _ in range(readiness.POLICY_CHECK_SAMPLES)]
     per_rank = -(-len(rows) // world)  # equal forward counts per rank, as ZeRO-3's gathers need
     mine = [rows[i % len(rows)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
     chunk = step_cfg.generation_batch_size_per_device or step_cfg.rollout_batch_size_per_device
@@ -275,9 +273,10 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool
             answers = answer_texts(roles.tokenizer, response, rmask)
             seq = torch.cat([batch["input_ids"].to(device), response], 1)
             attn = torch.cat([batch["attention_mask"].to(device), rmask], 1)
-            rm = losses.gather_at(roles.reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float()
-            scored += [{"prompt": p, "answer": a, "rule": roles.eval_rule(p, a), "rm_score": round(r, 4)}
-                       for p, a, r in zip(batch["prompts"], answers, rm.cpu().tolist(), strict=True)]
+            scores = sequence_scores(roles.reward, roles.eval_rule, seq, attn, batch["prompts"], answers, step_cfg, chunk)
+            scored += [{"prompt": p, "answer": a, "rule": rule, "rm_score": round(r, 4)}
+                       for p, a, rule, r in zip(batch["prompts"], answers, scores.fn.tolist(), scores.rm.tolist(),
+                                                strict=True)]
     both = cat_over_ranks(torch.tensor([[r["rm_score"], r["rule"]] for r in scored], dtype=torch.float32))
     out = {"select/policy_sampled_accuracy": both[:, 1].mean().item()}
     if bool(((both[:, 1] == 0) | (both[:, 1] == 1)).all()):  # a right/wrong rule
@@ -570,7 +569,7 @@ def start_check(cfg: Config, roles: Roles, prompts: Prompts, judge: Judge, gathe
     pipe = readiness.chain_settings(run_dir)
     why = pipe and readiness.reward_misjudges_policy(pipe, figures, scored, cfg.data.rule or "synthetic", run_dir)
     if why and pipe.on_weak_step == "stop":
-        raise ConfigError(f"PPO stopped before its first update: {why}; or pipeline.on_weak_step=warn runs it anyway")
+        raise ConfigError(f"PPO stopped before its first update: {why}; {readiness.RUN_ANYWAY}")
     if why:
         judge.warnings.append(f"ran though it may not work (pipeline.on_weak_step=warn): {why}")
         if rank == 0:
