@@ -429,6 +429,13 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     if step.name == "ppo":
         return _ppo(cfg, part_rows, rates, notes, lengths)
     pairs = STEPS[step.name].rows == "pairs"
+    # Pairs from the policy's own answers (rlhf.runners.reward.policy_pairs): sampled before training,
+    # then trained on beside the data's; counted as if every draw were a distinct wrong answer (a cap:
+    # 70-80% were on two untuned tasks).
+    drawn = min(getattr(step, "policy_pairs_prompts", 0), part_rows) * getattr(step, "policy_pairs_answers", 0)
+    if drawn:
+        part_rows += drawn
+        notes.append(f"up to {drawn:,} pairs from the policy's own answers (step.policy_pairs_prompts)")
     seqs = step.micro_batch_size_per_device * step.gradient_accumulation_steps * (2 if pairs else 1)
     source = "the benchmark's rows" if lengths else "the mean padded micro batch of the data"
     lengths = lengths or padded_lengths(cfg, step.micro_batch_size_per_device, pairs)
@@ -448,6 +455,11 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     dispatch = step.gradient_accumulation_steps * overheads_s(cfg.model, rates)[0]
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}
+    if drawn:
+        # Up to the longest answer and two tokens more (the padded pair's longer answer stands for it).
+        prompt, answer = (lengths[1], lengths[0] - lengths[1] + 2) if lengths else (step.max_seq_len / 2,) * 2
+        phases["policy samples"] = generation_s(cfg.model, -(-drawn // world), step.eval_micro_batch_size_per_device,
+                                                prompt, answer, hw.precision, rates)
     if offload := offload_s(cfg, total + lora_params, trainable, step.gradient_accumulation_steps, rates, notes):
         phases["offload"] = steps * offload
     work = (f"{part_rows:,} {STEPS[step.name].rows} x {step.epochs} epoch(s) = {steps:,} optimizer steps of "

@@ -63,6 +63,8 @@ def step_overrides(cfg: DictConfig, name: str, overrides: list[str], outputs: di
         extra.append(f"+stage=[{','.join(stages)}]")
     if name == "reward" and cfg.pipeline.reward_from_sft and "sft" in outputs:
         extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
+    if name == "reward" and "sft" in outputs:  # the policy whose answers make step.policy_pairs_prompts' pairs
+        extra += [f"step.policy_path={outputs['sft']}"]
     if any(role.name == "actor" for role in STEPS[name].roles):  # a policy step starts from the SFT output
         extra += [f"actor.path={outputs['sft']}"] if "sft" in outputs else []
     if name == "ppo":

@@ -98,8 +98,9 @@ def test_a_cut_short_write_and_an_unreadable_latest_checkpoint_fall_back_to_a_go
 
 @pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL; test-all every way
 def test_reward_resumes_exactly_after_sigkill(tmp_path):
+    # With pairs from the policy's own answers: the resumed run trains on the pairs the first one drew.
     args = ["step=reward", "step.max_steps=30", "step.log_every_steps=1", "checkpoint.every_steps=5",
-            "step.eval_every_steps=0", "step.rule_check_answers=0"]
+            "step.eval_every_steps=0", "step.rule_check_answers=0", "step.policy_pairs_prompts=32"]
     _straight(args, tmp_path / "a")
     _kill_after(args, tmp_path / "b", "loss", 12)
     _straight(args, tmp_path / "b")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf import losses
+from rlhf import losses, rewards
 from rlhf.config import to_schema
 from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
@@ -120,3 +120,29 @@ def test_the_best_evaluated_reward_model_is_the_output(tmp_path):
             batch["input_ids"], batch["attention_mask"]), losses.end_indices(batch["attention_mask"]))
     half = len(scores) // 2
     assert (scores[:half] > scores[half:]).float().mean().item() == pytest.approx(best["eval/acc"], abs=1e-6)
+
+
+def test_pairs_from_the_policys_own_answers_are_labelled_by_the_rule(tmp_path, capsys):
+    """step.policy_pairs_prompts: the policy samples answers on train prompts, the data's rule labels
+    them, and each distinct answer it scores below the prompt's best joins the train set as rejected
+    against that best; the figures reach final_metrics.json."""
+    dict_cfg = compose([*FAST, "step.policy_pairs_prompts=32", "step.policy_pairs_answers=3", "step.max_steps=3",
+                        "step.eval_every_steps=0", "step.rule_check_answers=0", f"run_dir={tmp_path}"])
+    final = run(dict_cfg)
+    lines = (tmp_path / "policy_pairs.jsonl").read_text().splitlines()
+    figures, pairs = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    assert pairs and final["policy_pairs"] == figures["policy_pairs"] == len(pairs)
+    assert final["policy_pairs_prompts"] == len({p["prompt"] for p in pairs}) <= 32
+    rule = rewards.task_rule(None, [p["prompt"] for p in pairs])
+    assert all(rule(p["prompt"], p["chosen"]) > rule(p["prompt"], p["rejected"]) for p in pairs)
+    by_prompt = {}
+    for p in pairs:
+        by_prompt.setdefault(p["prompt"], []).append(p["rejected"])
+    assert all(len(r) == len(set(r)) <= 3 for r in by_prompt.values())  # distinct, at most one per draw
+    # The rejected answers are the untrained policy's own, not the data's.
+    rows = load_step_data(to_schema(dict_cfg).data, "reward", DataReport())[0]
+    assert sum(p["rejected"] in set(rows["rejected"]) for p in pairs) < len(pairs) / 4
+    # Every pair is trained on: the train set is the data's pairs and these.
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    own = len(pair_dataset(rows, tok, to_schema(dict_cfg).step.max_seq_len, DataReport(), "train"))
+    assert f"[reward] {own + len(pairs)} train pairs" in capsys.readouterr().out

@@ -121,10 +121,21 @@ class RewardStepConfig(StepConfig):
     # Output the reward model of the evaluation with the best held-out pairwise accuracy (the last one
     # is kept in model_last/), not simply the last one.
     keep_best: bool = True
+    # Pairs from the policy's own answers (InstructGPT's comparisons are of SFT samples): on this many
+    # train prompts the policy samples step.policy_pairs_answers answers, the data's rule labels them,
+    # and each distinct wrong one is added as rejected against a right one. 0: off; needs a rule.
+    policy_pairs_prompts: int = 0
+    # Answers sampled per prompt for those pairs.
+    policy_pairs_answers: int = 4
+    # The policy that samples them (a causal-LM checkpoint); unset: the model the reward model starts
+    # from. A chain sets it to its SFT output.
+    policy_path: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("step.score_at", self.score_at, ("last", "divergence"))
+        _positive("step.policy_pairs_prompts", self.policy_pairs_prompts, allow_zero=True)
+        _positive("step.policy_pairs_answers", self.policy_pairs_answers)
         _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
         _positive("step.score_regularizer", self.score_regularizer, allow_zero=True)
         _positive("step.rule_check_answers", self.rule_check_answers, allow_zero=True)

@@ -13,6 +13,8 @@ with the data's rule (the shipped tasks' near misses, or a user's ``data.rule`` 
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import random
 import shutil
@@ -20,14 +22,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from datasets import Dataset, concatenate_datasets
 
-from rlhf import losses, models, rewards
+from rlhf import engine as engine_factory
+from rlhf import losses, models, rewards, rollout
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.runners import common, loop
+
+# The policy's answers for its pairs are drawn at temperature 1, wider than PPO's sampling (0.7 by
+# default): the pairs should hold the mistakes PPO may reach as the policy moves, not only its likeliest.
+POLICY_TEMPERATURE = 1.0
 
 
 def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,6 +137,78 @@ def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> li
     return []
 
 
+@torch.no_grad()
+def policy_pairs(cfg: Config, tokenizer, policy_path: str) -> tuple[list[dict], dict[str, float]]:
+    """Pairs from the policy's own answers, labelled by the data's rule (step.policy_pairs_prompts).
+
+    Held-out pairs show the mistakes their writer thought of; PPO climbs the reward model's scores of
+    the mistakes this policy makes (a shift task's reward model scored 1.000 on its pairs and 0.87 AUC
+    on the SFT policy's answers). So, as InstructGPT collected comparisons of SFT samples, the policy
+    samples step.policy_pairs_answers answers for each of step.policy_pairs_prompts train prompts;
+    each distinct answer the rule scores below the prompt's best (the best sampled one, or the row's
+    chosen where the rule scores it higher) becomes a rejected answer against that best. Written to
+    policy_pairs.jsonl, which a resumed run reads back, so it trains on the same pairs. Returns the
+    pairs and their figures; none where no rule knows the prompts.
+    """
+    step_cfg, rank, world = cfg.step, dist.get_rank(), dist.get_world_size()
+    cache = Path(cfg.run_dir) / "policy_pairs.jsonl"
+    if cache.exists():
+        lines = cache.read_text().splitlines()
+        return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
+    rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[0].shuffle(seed=cfg.data.seed)
+    rows = rows.select(range(min(step_cfg.policy_pairs_prompts, len(rows))))
+    rule = rewards.task_rule(cfg.data.rule, rows["prompt"])
+    if rule is None:
+        return [], {}
+    best_known = {r["prompt"]: r["chosen"] for r in rows}
+    # Room for an answer as long as the longest right one, and two tokens more to be wrong by length.
+    longest = max(len(tokenizer(a, add_special_tokens=False).input_ids) for a in best_known.values())
+    max_new = longest + 2
+    prompts = rollout.prompt_dataset(rows, tokenizer, step_cfg.max_seq_len - max_new - 1, DataReport(), "policy pairs")
+    todo = [p for p in prompts for _ in range(step_cfg.policy_pairs_answers)]
+    per_rank = -(-len(todo) // world)  # equal forward counts per rank, as ZeRO-3's gathers need
+    mine = [todo[i % len(todo)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    with engine_factory.loading_context(cfg):
+        model = models.load_causal_lm(policy_path, tokenizer, engine_factory.model_dtype(cfg), 0.0,
+                                      cfg.model.trust_remote_code)
+    policy, _ = engine_factory.build_frozen_engine(model, cfg)
+    drawn: list[tuple[str, str]] = []
+    chunk = step_cfg.eval_micro_batch_size_per_device
+    device = policy.device
+    # A forked RNG: the reward model's training draws the same numbers with or without these pairs.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(cfg.seed + rank)
+        for i in range(0, len(mine), chunk):
+            batch = rollout.left_pad(mine[i:i + chunk], tokenizer.pad_token_id)
+            # ZeRO-3 gathers layer by layer here: the pre-flight did not plan a whole gathered policy.
+            response = rollout.generate(policy, batch, tokenizer, max_new, do_sample=True,
+                                        temperature=POLICY_TEMPERATURE)
+            mask = rollout.response_mask(response, tokenizer.eos_token_id)
+            drawn += zip(batch["prompts"], rollout.answer_texts(tokenizer, response, mask), strict=True)
+    del policy, model
+    gc.collect()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, drawn)
+    answers: dict[str, list[str]] = {}
+    for prompt, answer in [d for part in gathered for d in part][:len(todo)]:  # without the padding
+        answers.setdefault(prompt, []).append(answer)
+    pairs, right = [], 0
+    for prompt, sampled in answers.items():
+        scored = [(rule(prompt, a), a) for a in sampled]
+        right += sum(s >= 1 for s, _ in scored)
+        best_score, best = max(scored, key=lambda t: t[0])
+        known = rule(prompt, best_known[prompt])
+        if known > best_score:
+            best_score, best = known, best_known[prompt]
+        pairs += [{"prompt": prompt, "chosen": best, "rejected": a}
+                  for s, a in {a: (s, a) for s, a in scored}.values() if s < best_score]
+    figures = {"policy_pairs": float(len(pairs)), "policy_pairs_prompts": float(len(answers)),
+               "policy_sampled_accuracy": right / max(len(todo), 1)}
+    if rank == 0:
+        cache.write_text("\n".join(json.dumps(x) for x in [figures, *pairs]) + "\n")
+    return pairs, figures
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
@@ -137,6 +217,16 @@ def run(cfg: Config) -> dict:
     train_ds, eval_ds, eval_prompts, _ = common.step_data(
         cfg, "reward", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
+    own = {}
+    if step_cfg.policy_pairs_prompts:
+        pairs, own = policy_pairs(cfg, tokenizer, step_cfg.policy_path or model_path)
+        if pairs:
+            train_ds = concatenate_datasets([train_ds, pair_dataset(Dataset.from_list(pairs), tokenizer,
+                                                                    step_cfg.max_seq_len, DataReport(), "policy pairs")])
+        if rank == 0 and own:
+            common.say(f"[reward] the policy's own answers on {own['policy_pairs_prompts']:.0f} train prompts: "
+                       f"{own['policy_sampled_accuracy']:.1%} right by the rule; {own['policy_pairs']:.0f} pairs "
+                       "of a wrong one against a right one added (policy_pairs.jsonl)")
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     # Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
@@ -191,7 +281,9 @@ def run(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------------------- save
     def keep_best(final: dict) -> None:
-        """model/ is the best evaluation's reward model, the last one model_last/ (rank 0 moves them)."""
+        """model/ is the best evaluation's reward model, the last one model_last/ (rank 0 moves them);
+        the figures of the policy's own pairs."""
+        final.update(own)
         best = Path(cfg.run_dir) / "best_model"
         if rank != 0 or not best.exists():
             return
