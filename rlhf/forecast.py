@@ -411,6 +411,22 @@ def padded_lengths(cfg: Config, micro: int, pairs: bool) -> tuple[float, float] 
             sum(max(prompts[j] for j in c) for c in chunks) / len(chunks))
 
 
+def rule_scores_data(cfg: Config) -> bool:
+    """Whether a rule scores the data's prompts: data.rule, or the shipped tasks' rule where it parses
+    local data's first eval prompts. PPO's start check and the reward model's pairs from the policy's
+    own answers run only then."""
+    if cfg.data.rule:
+        return True
+    from rlhf.config import looks_local
+
+    if not all(looks_local(s.path) for s in cfg.data.sources):
+        return False
+    from rlhf.data.blend import DataReport, load_step_data
+    from rlhf.rewards import task_rule
+
+    return task_rule(None, load_step_data(cfg.data, cfg.step.name, DataReport())[1]["prompt"][:64]) is not None
+
+
 def _critic_model(cfg: Config) -> ModelConfig:
     return load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model
 
@@ -433,6 +449,8 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     # then trained on beside the data's; counted as if every draw were a distinct wrong answer (a cap:
     # 70-80% were on two untuned tasks).
     drawn = min(getattr(step, "policy_pairs_prompts", 0), part_rows) * getattr(step, "policy_pairs_answers", 0)
+    if drawn and not rule_scores_data(cfg):
+        drawn = 0
     if drawn:
         part_rows += drawn
         notes.append(f"up to {drawn:,} pairs from the policy's own answers (step.policy_pairs_prompts)")
@@ -571,7 +589,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # The start check (rlhf.runners.ppo.policy_check): sampled answers to the select half, scored by
     # the reward model.
     check = 0.0
-    if "reward" in roles:
+    if "reward" in roles and rule_scores_data(cfg):
         from rlhf.readiness import POLICY_CHECK_SAMPLES
 
         samples = -(-step.eval_prompts * POLICY_CHECK_SAMPLES // world)

@@ -99,12 +99,19 @@ def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, 
     wrong = next((r for r in scored if r["rule"] == 0 and r["rm_score"] > median_right), None)
     example = (f", e.g. {wrong['prompt'].strip()!r} -> {wrong['answer'].strip()!r} scored {wrong['rm_score']:.2f}, above "
                f"the median right answer's {median_right:.2f}" if wrong else "")
-    pairs = chain_final(run_dir.parent, "reward").get("eval/acc")
+    reward = chain_final(run_dir.parent, "reward")
+    pairs = reward.get("eval/acc")
     held_out = f" (on its held-out pairs: {pairs:.3f})" if pairs is not None else ""
+    # The reward model may already have trained on the policy's own answers (step.policy_pairs_prompts).
+    own = int(reward.get("policy_pairs_prompts", 0))
+    more = (f"Train it on the policy's answers to more prompts than {own} (pipeline.reward.step.policy_pairs_prompts="
+            f"{4 * own}), or add answers like these to your pairs as rejected" if own else
+            "Add answers like these to your pairs as rejected, or let the chain draw them "
+            "(pipeline.reward.step.policy_pairs_prompts=1024)")
     return (f"the reward model separates the policy's own sampled answers, right from wrong by the rule, with AUC "
             f"{auc:.3f}{held_out}, below pipeline.reward_min_policy_auc={pipe.reward_min_policy_auc}: it scores "
-            f"mistakes this policy makes as right{example}, and PPO would learn them. Add answers like these "
-            f"to your pairs as rejected ({run_dir / 'policy_check.jsonl'} has every scored answer), or reward PPO "
+            f"mistakes this policy makes as right{example}, and PPO would learn them. {more} "
+            f"({run_dir / 'policy_check.jsonl'} has every scored answer), or reward PPO "
             f"with the rule ({rule}): pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0")
 
 

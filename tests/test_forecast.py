@@ -126,3 +126,21 @@ def test_cpu_training_overhead_is_probed_on_the_model_and_falls_back_per_layer()
     assert forecast.overheads_s(big, rates) == pytest.approx((big.num_layers * 2e-3, big.num_layers * 2e-3 / 3))
     gpu = forecast.Rates(flops=1e14, memory=1e12, link=1e11, layer_overhead_s=1e-4, train_layer_overhead_s=0.0)
     assert forecast.overheads_s(tiny, gpu) == (0.0, 0.0)
+
+
+def test_the_policy_s_own_answers_are_forecast_only_where_a_rule_scores_the_prompts():
+    """The reward model's pairs from the policy's answers and PPO's start check run only where a rule
+    scores the prompts: the shipped task's chain forecasts both; on hub data without data.rule neither."""
+    rates = forecast.Rates(flops=1e11, memory=1e10, link=1e9, layer_overhead_s=1e-5)
+    hub = ["data.sources=[{path: Dahoas/rm-static}]"]
+
+    def both(extra):
+        return [forecast.forecast(to_schema(compose_step(["pipeline=e2e", *extra], s)), part_rows=1000, rates=rates,
+                                  lengths=(20.0, 12.0)) for s in ("reward", "ppo")]
+
+    (reward, ppo), (hub_reward, hub_ppo) = both([]), both(hub)
+    assert reward.phases["policy samples"] > 0 and "policy samples" not in hub_reward.phases
+    assert any("up to 4,000 pairs from the policy's own answers" in n for n in reward.notes)  # 1000 prompts x 4
+    assert reward.steps > hub_reward.steps
+    assert ppo.phases["evaluation"] > hub_ppo.phases["evaluation"]  # the start check's sampled pass
+    assert ppo.phases["generation"] == hub_ppo.phases["generation"]

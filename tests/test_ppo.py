@@ -260,6 +260,7 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
                  # One key of one step, as README shows: no quoting, the step's other settings kept.
                  "pipeline.sft.step.max_steps=10",
                  "pipeline.reward.step.max_steps=10", "pipeline.reward.step.rule_check_answers=0",
+                 "pipeline.reward.step.policy_pairs_prompts=64",
                  "pipeline.ppo.step.max_steps=2", "pipeline.ppo.step.rollout_batch_size_per_device=16",
                  "pipeline.ppo.step.micro_batch_size_per_device=8", "pipeline.ppo.step.eval_prompts=16",
                  "pipeline.on_weak_step=warn"]
@@ -269,6 +270,10 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     ppo_overrides = manifest["steps"]["ppo"]["overrides"]
     assert f"actor.path={tmp_path / 'sft' / 'model'}" in ppo_overrides
     assert f"critic.path={tmp_path / 'reward' / 'model'}" in ppo_overrides
+    # The reward model also trained on pairs of the SFT policy's own answers, labelled by the rule.
+    assert f"step.policy_path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["reward"]["overrides"]
+    reward = json.loads((tmp_path / "reward" / "final_metrics.json").read_text())
+    assert 0 < reward["policy_pairs_prompts"] <= 64 and reward["policy_pairs"] > 0
     assert "+stage=[e2e/ppo]" in ppo_overrides and manifest["steps"]["ppo"]["delta"]["step"]["max_steps"] == 2
     # The stage file's keys stay where the delta does not touch them.
     ppo_cfg = (tmp_path / "ppo" / "config.yaml").read_text()
