@@ -368,20 +368,32 @@ def step_rows(cfg: Config, rows: int = 0) -> tuple[int, str]:
     if not total:
         if not all(looks_local(s.path) for s in cfg.data.sources):
             return 0, "hub data: set launch.forecast_rows to the blend's train rows"
-        from rlhf.data.blend import train_rows
-
-        total = train_rows(cfg.data)
-        how = "counted"
+        # Read as the run reads them (split and blended, max_train_samples applied), once per dry-run.
+        train = len(step_data(cfg)[0])
+        return train, f"counted: {train:,} train rows in this step's part ({part:.0%}) of the data"
     if cfg.data.max_train_samples > 0:
         total = min(total, int(cfg.data.max_train_samples / part))
     return int(total * part), f"{how}: {total:,} train rows x {part:.0%} for this step"
 
 
-def padded_lengths(cfg: Config, micro: int, pairs: bool) -> tuple[float, float] | None:
-    """Mean padded length of a micro batch, in tokens, as the collators pad (to the longest row of the
-    batch; a pair's two answers together): (prompt + answer, prompt) over up to 512 train rows of
-    local data, tokenized by the run's tokenizer; None where the data or the tokenizer is not local
-    (then max_seq_len, or max_prompt_len, stands for every row, as DeepSpeed-Chat pads)."""
+_READ: dict[tuple, tuple] = {}
+
+
+def step_data(cfg: Config, tokenizer=None) -> tuple:
+    """The step's train and eval rows (rlhf.data.blend.load_step_data, conversations rendered by the
+    run's tokenizer where it is local), read once per data config and step: the row count, the
+    lengths and the rule check share one read."""
+    from rlhf.data.blend import DataReport, load_step_data
+
+    key = (repr(cfg.data), cfg.step.name)
+    if key not in _READ:
+        _READ[key] = load_step_data(cfg.data, cfg.step.name, DataReport(), tokenizer or data_tokenizer(cfg))
+    return _READ[key]
+
+
+def data_tokenizer(cfg: Config):
+    """The run's tokenizer where the data and the model are local (a chain's not yet trained tiny model:
+    its random base model's, built locally in seconds); None otherwise (a real model's is not guessed)."""
     import dataclasses
     import os
 
@@ -391,16 +403,23 @@ def padded_lengths(cfg: Config, micro: int, pairs: bool) -> tuple[float, float] 
     if not all(looks_local(s.path) for s in cfg.data.sources) or (path and not looks_local(path)):
         return None
     from rlhf import models
-    from rlhf.data.blend import DataReport, load_step_data
 
     if path and not os.path.exists(os.path.expanduser(path)):
-        # A chain's output that does not exist yet (a dry-run): a tiny model's tokenizer is its random
-        # base model's (built locally in seconds); a real model's is not guessed.
         if param_counts(cfg.model)[0] > 50e6:
             return None
         path = models.resolve_path(dataclasses.replace(cfg.model, path="", random_init=True))
-    tokenizer = models.load_tokenizer(path or models.resolve_path(cfg.model))
-    rows = load_step_data(cfg.data, cfg.step.name, DataReport(), tokenizer)[0]
+    return models.load_tokenizer(path or models.resolve_path(cfg.model))
+
+
+def padded_lengths(cfg: Config, micro: int, pairs: bool) -> tuple[float, float] | None:
+    """Mean padded length of a micro batch, in tokens, as the collators pad (to the longest row of the
+    batch; a pair's two answers together): (prompt + answer, prompt) over up to 512 train rows of
+    local data, tokenized by the run's tokenizer; None where the data or the tokenizer is not local
+    (then max_seq_len, or max_prompt_len, stands for every row, as DeepSpeed-Chat pads)."""
+    tokenizer = data_tokenizer(cfg)
+    if tokenizer is None:
+        return None
+    rows = step_data(cfg, tokenizer)[0]
     rows = rows.select(range(min(512, len(rows))))
     prompts = [len(tokenizer(r["prompt"]).input_ids) for r in rows]
     answers = [max(len(tokenizer(r["chosen"]).input_ids), len(tokenizer(r["rejected"]).input_ids) if pairs else 0) + 1
@@ -421,10 +440,9 @@ def rule_scores_data(cfg: Config) -> bool:
 
     if not all(looks_local(s.path) for s in cfg.data.sources):
         return False
-    from rlhf.data.blend import DataReport, load_step_data
     from rlhf.rewards import task_rule
 
-    return task_rule(None, load_step_data(cfg.data, cfg.step.name, DataReport())[1]["prompt"][:64]) is not None
+    return task_rule(None, step_data(cfg)[1]["prompt"][:64]) is not None
 
 
 def _critic_model(cfg: Config) -> ModelConfig:
@@ -436,6 +454,14 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     """The step's forecast on its preset: ``rows`` is the blend's train rows where they are not
     counted, ``part_rows`` the step's own rows (a benchmark's prompts) outright, ``lengths`` a
     benchmark's row lengths in tokens (prompt + answer, prompt) in place of the data's."""
+    try:
+        return _forecast(cfg, rows, part_rows, rates, lengths)
+    finally:
+        _READ.clear()  # the data is read once per forecast, and not held through the run
+
+
+def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
+              lengths: tuple[float, float] | None) -> StepForecast:
     rates = rates or hardware_rates(cfg)
     step, world, hw = cfg.step, cfg.world_size, cfg.hardware
     part_rows, how = (part_rows, "given: the step's rows") if part_rows else step_rows(cfg, rows)

@@ -154,12 +154,6 @@ def _raw(src: SourceConfig, split: str, key: str, on_bad_row: str = "drop",
     return ds, str(p)
 
 
-def train_rows(cfg: DataConfig) -> int:
-    """Rows of the blend's train files together (read as a run reads them), for the time forecast."""
-    return sum(len(_raw(src, src.train_split, f"data.sources[{i}]", cfg.on_bad_row)[0])
-               for i, src in enumerate(cfg.sources))
-
-
 def load_text_sources(cfg: DataConfig) -> list[str]:
     """Texts of data.ptx_sources: their `text` column (or columns.text)."""
     texts: list[str] = []
