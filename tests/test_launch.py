@@ -120,6 +120,24 @@ def test_two_cpu_ranks_sft_zero3_matches_one_rank_with_the_same_global_batch(tmp
     assert two == pytest.approx(one, rel=1e-4)
 
 
+@pytest.mark.slow  # a 2-rank launch
+def test_two_cpu_ranks_zero3_draw_the_reward_model_s_pairs_from_the_policy_together(tmp_path):
+    """Each rank samples its share of the prompts through the partitioned policy; both train on the
+    same gathered pairs, which rank 0 writes once."""
+    from rlhf import rewards
+
+    proc = _launch("step=reward", "hardware=cpu-2rank", "zero=3", "step.max_steps=2", "step.rule_check_answers=0",
+                   "step.policy_pairs_prompts=16", "step.eval_every_steps=0", "logging.progress_bar=false",
+                   "data.max_eval_samples=32", f"launch.master_port={_free_port()}", f"run_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "policy_pairs.jsonl").read_text().splitlines()
+    figures, pairs = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    assert figures["policy_pairs_prompts"] == len({p["prompt"] for p in pairs}) == 16
+    rule = rewards.task_rule(None, [p["prompt"] for p in pairs])
+    assert all(rule(p["prompt"], p["chosen"]) > rule(p["prompt"], p["rejected"]) for p in pairs)
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["policy_pairs"] == len(pairs)
+
+
 def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedule_whole(tmp_path):
     """2 CPU ranks, ZeRO-3, accumulation 2, gradient checkpointing, an adaptive KL coefficient: both
     ranks hold the same coefficient (it is updated from the KL of the global batch), and the linear
