@@ -23,7 +23,8 @@ TINY = {"opt": "tiny-opt", "llama": "tiny-llama"}
 # Two steps make weak models: the chain runs each step anyway (and says so) instead of refusing it.
 SHORT = ["step.max_steps=2", "data.max_eval_samples=16", "logging.progress_bar=false",
          "pipeline.ppo.step.eval_prompts=2", "pipeline.on_weak_step=warn"]
-CHANGED = {"max_steps", "eval_prompts"}
+# policy_path is wired by the chain to its SFT output, as actor.path is (compose_step knows no outputs).
+CHANGED = {"max_steps", "eval_prompts", "policy_path"}
 
 
 def tiny_overrides(name: str) -> list[str]:
