@@ -127,7 +127,8 @@ def test_pairs_from_the_policys_own_answers_are_labelled_by_the_rule(tmp_path, c
     them, and each distinct answer it scores below the prompt's best joins the train set as rejected
     against that best; the figures reach final_metrics.json."""
     dict_cfg = compose([*FAST, "step.policy_pairs_prompts=32", "step.policy_pairs_answers=3", "step.max_steps=3",
-                        "step.eval_every_steps=0", "step.rule_check_answers=0", f"run_dir={tmp_path}"])
+                        "data.max_train_samples=1000", "data.max_eval_samples=64", "step.eval_every_steps=0",
+                        "step.rule_check_answers=0", f"run_dir={tmp_path}"])
     final = run(dict_cfg)
     lines = (tmp_path / "policy_pairs.jsonl").read_text().splitlines()
     figures, pairs = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
