@@ -138,7 +138,7 @@ def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> li
 
 
 @torch.no_grad()
-def policy_pairs(cfg: Config, tokenizer, policy_path: str) -> tuple[list[dict], dict[str, float]]:
+def policy_pairs(cfg: Config, tokenizer, policy_path: str, report: DataReport) -> tuple[list[dict], dict[str, float]]:
     """Pairs from the policy's own answers, labelled by the data's rule (step.policy_pairs_prompts).
 
     Held-out pairs show the mistakes their writer thought of; PPO climbs the reward model's scores of
@@ -147,8 +147,9 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str) -> tuple[list[dict], 
     samples step.policy_pairs_answers answers for each of step.policy_pairs_prompts train prompts;
     each distinct answer the rule scores below the prompt's best (the best sampled one, or the row's
     chosen where the rule scores it higher) becomes a rejected answer against that best. Written to
-    policy_pairs.jsonl, which a resumed run reads back, so it trains on the same pairs. Returns the
-    pairs and their figures; none where no rule knows the prompts.
+    policy_pairs.jsonl, which a resumed run reads back, so it trains on the same pairs; prompts too
+    long to answer are counted in ``report`` (split "policy pairs"). Returns the pairs and their
+    figures; none where no rule knows the prompts.
     """
     step_cfg, rank, world = cfg.step, dist.get_rank(), dist.get_world_size()
     cache = Path(cfg.run_dir) / "policy_pairs.jsonl"
@@ -164,7 +165,7 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str) -> tuple[list[dict], 
     # Room for an answer as long as the longest right one, and two tokens more to be wrong by length.
     longest = max(len(tokenizer(a, add_special_tokens=False).input_ids) for a in best_known.values())
     max_new = longest + 2
-    prompts = rollout.prompt_dataset(rows, tokenizer, step_cfg.max_seq_len - max_new - 1, DataReport(), "policy pairs")
+    prompts = rollout.prompt_dataset(rows, tokenizer, step_cfg.max_seq_len - max_new - 1, report, "policy pairs")
     todo = [p for p in prompts for _ in range(step_cfg.policy_pairs_answers)]
     per_rank = -(-len(todo) // world)  # equal forward counts per rank, as ZeRO-3's gathers need
     mine = [todo[i % len(todo)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
@@ -209,24 +210,32 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str) -> tuple[list[dict], 
     return pairs, figures
 
 
+def with_policy_pairs(cfg: Config, tokenizer, policy_path: str, train_ds, report: DataReport) -> tuple:
+    """The train pairs with those of the policy's own answers added (policy_pairs), and their figures;
+    unchanged where step.policy_pairs_prompts is 0 or no rule knows the prompts."""
+    if not cfg.step.policy_pairs_prompts:
+        return train_ds, {}
+    pairs, own = policy_pairs(cfg, tokenizer, policy_path, report)
+    if pairs:
+        train_ds = concatenate_datasets([train_ds, pair_dataset(Dataset.from_list(pairs), tokenizer,
+                                                                cfg.step.max_seq_len, report, "policy pairs")])
+    if dist.get_rank() == 0 and own:  # data_report.json again, with the policy pairs' drops
+        (Path(cfg.run_dir) / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+        common.say(f"[reward] the policy's own answers on {own['policy_pairs_prompts']:.0f} train prompts: "
+                   f"{own['policy_sampled_accuracy']:.1%} right by the rule; {own['policy_pairs']:.0f} pairs "
+                   "of a wrong one against a right one added (policy_pairs.jsonl)")
+    return train_ds, own
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
     model_path, tokenizer = common.model_and_tokenizer(cfg)
 
-    train_ds, eval_ds, eval_prompts, _ = common.step_data(
+    train_ds, eval_ds, eval_prompts, report = common.step_data(
         cfg, "reward", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
-    own = {}
-    if step_cfg.policy_pairs_prompts:
-        pairs, own = policy_pairs(cfg, tokenizer, step_cfg.policy_path or model_path)
-        if pairs:
-            train_ds = concatenate_datasets([train_ds, pair_dataset(Dataset.from_list(pairs), tokenizer,
-                                                                    step_cfg.max_seq_len, DataReport(), "policy pairs")])
-        if rank == 0 and own:
-            common.say(f"[reward] the policy's own answers on {own['policy_pairs_prompts']:.0f} train prompts: "
-                       f"{own['policy_sampled_accuracy']:.1%} right by the rule; {own['policy_pairs']:.0f} pairs "
-                       "of a wrong one against a right one added (policy_pairs.jsonl)")
+    train_ds, own = with_policy_pairs(cfg, tokenizer, step_cfg.policy_path or model_path, train_ds, report)
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     # Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
