@@ -47,8 +47,16 @@ def init_distributed(cfg: Config) -> None:
     if not dist.is_initialized():
         from datetime import timedelta
 
-        deepspeed.init_distributed(dist_backend=cfg.hardware.dist_backend, verbose=False,
-                                   timeout=timedelta(minutes=cfg.launch.collective_timeout_min))
+        from torch.distributed import distributed_c10d
+
+        timeout = timedelta(minutes=cfg.launch.collective_timeout_min)
+        # DeepSpeed clones the world group for ZeRO (dist.new_group without a timeout), and a new group
+        # takes torch's module default (30 min for gloo, 10 for NCCL), not the world group's: a rank
+        # hung in a ZeRO collective held the others for 30 min instead of the configured timeout.
+        distributed_c10d.default_pg_timeout = timeout
+        if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), timedelta):
+            distributed_c10d.default_pg_nccl_timeout = timeout
+        deepspeed.init_distributed(dist_backend=cfg.hardware.dist_backend, verbose=False, timeout=timeout)
     if cfg.hardware.accelerator == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 

@@ -13,13 +13,14 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from rlhf.launch import run
-from tests.conftest import compose, free_port, run_cli, same_run, start_cli
+from tests.conftest import ROOT, clean_env, compose, free_port, run_cli, same_run, start_cli
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32"]
 
@@ -172,6 +173,20 @@ def test_a_hung_rank_fails_the_launch_after_the_collective_timeout(tmp_path):
     # 9 s of timeout, then the DeepSpeed launcher's 30 s grace before it kills a rank that ignores SIGTERM.
     assert 9 <= took < 90, took
     print(f"hung rank: the launch stopped {took:.1f} s after rank 1 hung (timeout 9 s)")
+
+
+def test_deepspeed_s_own_process_group_times_out_as_configured():
+    """DeepSpeed clones the world group for ZeRO's collectives with dist.new_group, which takes torch's
+    module default (30 min on gloo), not the world group's timeout: a rank hung in a ZeRO collective
+    held the others past the hung-rank test's 4 minutes. The configured timeout reaches that group."""
+    code = ("import torch, deepspeed.utils.groups as g; from rlhf import worker; from tests.conftest import compose; "
+            "from rlhf.config import to_schema; "
+            "worker.init_distributed(to_schema(compose(['launch.collective_timeout_min=0.15']))); "
+            "print(g._clone_world_group()._get_backend(torch.device('cpu')).options._timeout)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "0:00:09"
 
 
 def _file_size_limit(limit: int):
