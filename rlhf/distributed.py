@@ -17,6 +17,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def rank_share(items: list, rank: int, world: int) -> list:
+    """This rank's equal share of ``items``, the last ranks' filled up from the start (wrapping round):
+    every rank runs as many forwards as the others, which ZeRO-3's parameter gathers need."""
+    per_rank = -(-len(items) // world)
+    return [items[i % len(items)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+
+
 def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from rlhf import losses
 from rlhf.data.blend import DataReport
 from rlhf.decode import accepts, decode
-from rlhf.distributed import sum_over_ranks
+from rlhf.distributed import rank_share, sum_over_ranks
 
 
 @dataclass
@@ -217,8 +217,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
     if not prompts:
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-len(prompts) // world)
-    mine = [prompts[i % len(prompts)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    mine = rank_share(prompts, rank, world)
     sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)

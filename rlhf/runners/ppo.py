@@ -43,7 +43,7 @@ from rlhf.checkpoint import (
 from rlhf.config import Config, ConfigError, ppo_role_problems, ppo_updates_per_step
 from rlhf.data.blend import DataReport, heldout_split, load_step_data, load_text_sources
 from rlhf.data.tokenize import PadCollator, sft_dataset
-from rlhf.distributed import cat_over_ranks, sum_over_ranks, world_size
+from rlhf.distributed import cat_over_ranks, rank_share, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
 from rlhf.rollout import (
     Experience,
@@ -257,8 +257,7 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool
     if roles.reward is None or roles.eval_rule is None or not rewards.knows(roles.eval_rule, [p["prompt"] for p in prompts.select]):
         return {}, []
     rows = [p for p in prompts.select for _ in range(readiness.POLICY_CHECK_SAMPLES)]
-    per_rank = -(-len(rows) // world)  # equal forward counts per rank, as ZeRO-3's gathers need
-    mine = [rows[i % len(rows)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    mine = rank_share(rows, rank, world)
     chunk = step_cfg.generation_batch_size_per_device or step_cfg.rollout_batch_size_per_device
     scored: list[dict] = []
     device = roles.actor.device

@@ -31,6 +31,7 @@ from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
+from rlhf.distributed import rank_share
 from rlhf.runners import common, loop
 
 # The policy's answers for its pairs are drawn at temperature 1, wider than PPO's sampling (0.7 by
@@ -90,8 +91,7 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
     it compares rewards of different prompts.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-len(cands) // world)
-    mine = [cands[i % len(cands)] for i in range(rank * per_rank, (rank + 1) * per_rank)]  # equal work per rank
+    mine = rank_share(cands, rank, world)
     engine.eval()
     scores, labels, agree, pairs = [], [], 0, 0
     for prompt, answers in mine:
@@ -167,8 +167,7 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str, report: DataReport) -
     max_new = longest + 2
     prompts = rollout.prompt_dataset(rows, tokenizer, step_cfg.max_seq_len - max_new - 1, report, "policy pairs")
     todo = [p for p in prompts for _ in range(step_cfg.policy_pairs_answers)]
-    per_rank = -(-len(todo) // world)  # equal forward counts per rank, as ZeRO-3's gathers need
-    mine = [todo[i % len(todo)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    mine = rank_share(todo, rank, world)
     with engine_factory.loading_context(cfg):
         model = models.load_causal_lm(policy_path, tokenizer, engine_factory.model_dtype(cfg), 0.0,
                                       cfg.model.trust_remote_code)
