@@ -125,12 +125,19 @@ def own_configs() -> dict:
     shape = {"family": "opt", "num_layers": 24, "hidden_size": 2048, "num_heads": 32, "ffn_size": 8192,
              "vocab_size": 50272, "max_positions": 2048}
     model = ["model=tiny-opt", *(f"model.{k}={v}" for k, v in shape.items())]
-    sft = to_schema(compose([*model, "hardware=h200", "step=sft", "step.micro_batch_size_per_device=16",
-                             "step.max_seq_len=512", "step.max_steps=1"]))
-    ppo = to_schema(compose([*model, "hardware=h200", "step=ppo", "critic.model=opt-350m",
-                             "step.rollout_batch_size_per_device=64", "step.micro_batch_size_per_device=16",
-                             "step.max_prompt_len=256", "step.max_new_tokens=256", "step.max_steps=1"]))
-    return {"sft": (sft, 0.203, (512, 256)), "ppo": (ppo, 4.10, (512, 256))}
+    def sft(micro: int):
+        return to_schema(compose([*model, "hardware=h200", "step=sft", f"step.micro_batch_size_per_device={micro}",
+                                  "step.max_seq_len=512", "step.max_steps=1"]))
+
+    def ppo(graph: bool):
+        return to_schema(compose([*model, "hardware=h200", "step=ppo", "critic.model=opt-350m",
+                                  "step.rollout_batch_size_per_device=64", "step.micro_batch_size_per_device=16",
+                                  "step.max_prompt_len=256", "step.max_new_tokens=256", "step.max_steps=1",
+                                  f"step.decode_graph={str(graph).lower()}"]))
+
+    # docs/benchmarks.md, `bash bench/gpu.sh`: phases sft, sft_micro4x, ppo, ppo_graph.
+    return {"sft 16 rows": (sft(16), 0.231, (512, 256)), "sft 64 rows": (sft(64), 0.573, (512, 256)),
+            "ppo": (ppo(False), 4.02, (512, 256)), "ppo decode_graph": (ppo(True), 2.64, (512, 256))}
 
 
 def ratio(forecast_h: float, published_h: float) -> float:

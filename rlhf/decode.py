@@ -240,7 +240,9 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
 
     ``static``: the one-token step with every shape fixed (``_StaticSteps``), recorded once as a
     CUDA graph and replayed per token on a GPU, and the all-rows-ended check every
-    ``STATIC_CHECK_EVERY`` tokens; the same tokens and log-probs as the default loop. Families
+    ``STATIC_CHECK_EVERY`` tokens; the default loop's tokens and log-probs in exact arithmetic (in
+    fp32 the same tokens; in bf16 both loops round differently, and their log-probs match one forward
+    over their own tokens equally closely: bench/gpu.sh's decode phase). Families
     without a forward of ours decode the default way (a one-line notice says so).
     """
     own = _own_forward(model, input_ids.shape[1] + max_new_tokens)

@@ -341,19 +341,25 @@ def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: floa
 
 # ----------------------------------------------------------------------------- generation
 def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int, precision: str,
-                 rates: Rates) -> float:
+                 rates: Rates, static: bool = False, graph: bool = False) -> float:
     """Answers to ``seqs`` prompts, ``chunk`` at a time, on one device holding the whole model:
     prefill is one forward over the prompts; each decoding step reads the weights and the KV cache
-    (at its mean length) once for the chunk, or computes, whichever is slower, plus the per-layer cost."""
+    (at its mean length) once for the chunk, or computes, whichever is slower, plus the per-layer cost.
+
+    ``static`` (step.decode_graph): every step attends over the whole fixed-length cache (prompt +
+    answer), and where it is replayed as a CUDA graph (``graph``) the host dispatches nothing per
+    layer, so the per-layer cost is gone."""
     if seqs <= 0:
         return 0.0
     chunk = min(chunk, seqs)
     width = bytes_per_param(precision)
     prefill = forward_flops(m, seqs * prompt, prompt / 2, True) / rates.flops
-    kv_bytes = 2 * m.num_layers * chunk * (prompt + answer / 2) * m.hidden_size * width
+    attended = prompt + (answer if static else answer / 2)
+    kv_bytes = 2 * m.num_layers * chunk * attended * m.hidden_size * width
     read = (param_counts(m)[0] * width + kv_bytes) / rates.memory
-    math = forward_flops(m, chunk, prompt + answer / 2, True) / rates.flops
-    return prefill + -(-seqs // chunk) * answer * (max(read, math) + m.num_layers * rates.layer_overhead_s)
+    math = forward_flops(m, chunk, attended, True) / rates.flops
+    overhead = 0.0 if graph else m.num_layers * rates.layer_overhead_s
+    return prefill + -(-seqs // chunk) * answer * (max(read, math) + overhead)
 
 
 # ----------------------------------------------------------------------------------- work
@@ -569,13 +575,19 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # KV cache at its mean length.
     chunk = step.generation_batch_size_per_device or batch
     calls = -(-batch // chunk)
-    gather = 0.0
+    gather, whole = 0.0, True
     if cfg.zero.stage == 3:
         whole = generation_gathers_whole_model(cfg, critic)
         gather = calls * (1 if whole else answer) * collective_s(a_total * width, world, rates)
         notes.append("ZeRO-3 generation: " + ("the actor gathered once per call" if whole else
                                               "the actor gathered layer by layer for every token"))
-    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates) + gather
+    # The static step replays as a CUDA graph only where the actor is whole on the device (not under
+    # ZeRO-3's layerwise gathering, rlhf.decode._own_forward) and on a GPU.
+    static = step.decode_graph and whole
+    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates, static,
+                            static and hw.accelerator != "cpu") + gather
+    if static and hw.accelerator != "cpu":
+        notes.append("generation replayed as a CUDA graph (step.decode_graph): no per-layer dispatch cost")
 
     # Scoring forwards over whole rollouts: reference (the actor's size), critic and reward model
     # (the critic's), and the actor itself where old log-probs are recomputed.
