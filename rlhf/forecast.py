@@ -33,14 +33,15 @@ from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates
 from rlhf.memory import generation_gathers_whole_model, param_counts
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
-# own SFT of a 1.3B model on one H200 ran at 33.4% (docs/benchmarks.md, bench/gpu.sh).
+# own SFT of a 1.3B model on one H200 ran at 29-33% with 16 rows of 512 tokens (two runs), 47% with 64
+# (docs/benchmarks.md, bench/gpu.sh).
 MATMUL_EFFICIENCY = 0.334
 # Achieved fraction of memory bandwidth when a decoding step streams weights and KV cache (STREAM-
 # like copies reach 80-90% on HBM; a decode step's many small reads less).
 BANDWIDTH_EFFICIENCY = 0.7
 # Seconds per layer and decoding step that neither FLOPs nor bytes explain: kernel launches and the
-# Python of an eager decode loop (one H200: 9.3 ms per decoding step of a 24-layer model, of which
-# the bytes explain about 2 ms; docs/benchmarks.md). On CPU it is measured (probe_cpu).
+# Python of an eager decode loop (one H200: 9.0-16.0 ms per decoding step of a 24-layer model on two
+# hosts, of which the bytes explain about 2 ms; docs/benchmarks.md). On CPU it is measured (probe_cpu).
 DECODE_LAYER_OVERHEAD_S = 3.0e-4
 # Achieved fraction of link bandwidth in ZeRO's all-gathers and reduce-scatters (NCCL's bus
 # bandwidth on NVLink and InfiniBand runs at 70-85% of the link rate).
