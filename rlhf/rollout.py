@@ -193,6 +193,20 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
     return out
 
 
+def sampled_answers(engine, rows: list[dict], tokenizer, chunk: int, seed: int, **generate_kwargs):
+    """(batch, response, response mask, answer texts) for ``rows`` (this rank's prompt rows), ``chunk``
+    at a time, drawn from a forked RNG seeded ``seed``: the training around a check or a sample of the
+    policy draws the same numbers with or without it. ``generate_kwargs`` go to ``generate``."""
+    device = engine.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(seed)
+        for i in range(0, len(rows), chunk):
+            batch = left_pad(rows[i:i + chunk], tokenizer.pad_token_id)
+            response = generate(engine, batch, tokenizer, **generate_kwargs)
+            mask = response_mask(response, tokenizer.eos_token_id)
+            yield batch, response, mask, answer_texts(tokenizer, response, mask)
+
+
 def answer_logits(model, seq: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, start: int) -> torch.Tensor:
     """Logits at positions start .. end-1, the ones that predict the answer tokens. The LM head runs
     on those positions only where the model allows it (``logits_to_keep``): with a large vocabulary

@@ -56,6 +56,7 @@ from rlhf.rollout import (
     position_ids,
     prompt_dataset,
     response_mask,
+    sampled_answers,
 )
 from rlhf.runners.common import as_select, count_params, finish, open_logger, say
 
@@ -261,21 +262,18 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool
     chunk = step_cfg.generation_batch_size_per_device or step_cfg.rollout_batch_size_per_device
     scored: list[dict] = []
     device = roles.actor.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        torch.manual_seed(cfg.seed + rank)
-        for i in range(0, len(mine), chunk):
-            batch = left_pad(mine[i:i + chunk], roles.tokenizer.pad_token_id)
-            response = generate(roles.actor, batch, roles.tokenizer, step_cfg.max_new_tokens, step_cfg.do_sample,
-                                step_cfg.temperature, step_cfg.top_p, step_cfg.top_k, step_cfg.min_new_tokens,
-                                gather_whole, static=step_cfg.decode_graph)
-            rmask = response_mask(response, roles.tokenizer.eos_token_id)
-            answers = answer_texts(roles.tokenizer, response, rmask)
-            seq = torch.cat([batch["input_ids"].to(device), response], 1)
-            attn = torch.cat([batch["attention_mask"].to(device), rmask], 1)
-            scores = sequence_scores(roles.reward, roles.eval_rule, seq, attn, batch["prompts"], answers, step_cfg, chunk)
-            scored += [{"prompt": p, "answer": a, "rule": rule, "rm_score": round(r, 4)}
-                       for p, a, rule, r in zip(batch["prompts"], answers, scores.fn.tolist(), scores.rm.tolist(),
-                                                strict=True)]
+    sampled = sampled_answers(roles.actor, mine, roles.tokenizer, chunk, cfg.seed + rank,
+                              max_new_tokens=step_cfg.max_new_tokens, do_sample=step_cfg.do_sample,
+                              temperature=step_cfg.temperature, top_p=step_cfg.top_p, top_k=step_cfg.top_k,
+                              min_new_tokens=step_cfg.min_new_tokens, gather_whole=gather_whole,
+                              static=step_cfg.decode_graph)
+    for batch, response, rmask, answers in sampled:
+        seq = torch.cat([batch["input_ids"].to(device), response], 1)
+        attn = torch.cat([batch["attention_mask"].to(device), rmask], 1)
+        scores = sequence_scores(roles.reward, roles.eval_rule, seq, attn, batch["prompts"], answers, step_cfg, chunk)
+        scored += [{"prompt": p, "answer": a, "rule": rule, "rm_score": round(r, 4)}
+                   for p, a, rule, r in zip(batch["prompts"], answers, scores.fn.tolist(), scores.rm.tolist(),
+                                            strict=True)]
     both = cat_over_ranks(torch.tensor([[r["rm_score"], r["rule"]] for r in scored], dtype=torch.float32))
     out = {"select/policy_sampled_accuracy": both[:, 1].mean().item()}
     if bool(((both[:, 1] == 0) | (both[:, 1] == 1)).all()):  # a right/wrong rule

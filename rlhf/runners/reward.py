@@ -173,18 +173,11 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str, report: DataReport) -
                                       cfg.model.trust_remote_code)
     policy, _ = engine_factory.build_frozen_engine(model, cfg)
     drawn: list[tuple[str, str]] = []
-    chunk = step_cfg.eval_micro_batch_size_per_device
-    device = policy.device
-    # A forked RNG: the reward model's training draws the same numbers with or without these pairs.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        torch.manual_seed(cfg.seed + rank)
-        for i in range(0, len(mine), chunk):
-            batch = rollout.left_pad(mine[i:i + chunk], tokenizer.pad_token_id)
-            # ZeRO-3 gathers layer by layer here: the pre-flight did not plan a whole gathered policy.
-            response = rollout.generate(policy, batch, tokenizer, max_new, do_sample=True,
-                                        temperature=POLICY_TEMPERATURE)
-            mask = rollout.response_mask(response, tokenizer.eos_token_id)
-            drawn += zip(batch["prompts"], rollout.answer_texts(tokenizer, response, mask), strict=True)
+    # ZeRO-3 gathers layer by layer here: the pre-flight did not plan a whole gathered policy.
+    for batch, _, _, answers in rollout.sampled_answers(policy, mine, tokenizer, step_cfg.eval_micro_batch_size_per_device,
+                                                        cfg.seed + rank, max_new_tokens=max_new, do_sample=True,
+                                                        temperature=POLICY_TEMPERATURE):
+        drawn += zip(batch["prompts"], answers, strict=True)
     del policy, model
     gc.collect()
     gathered = [None] * world
