@@ -37,13 +37,13 @@ phase() {  # phase NAME SECONDS [overrides...]
 }
 
 # Limits: a cold run on an H200 (random models built, CUDA and DeepSpeed started in each process)
-# took matmul 4 s, SFT 44 s, PPO 91 s; decode (4 rollouts of 64 x 512 tokens) is about a PPO
-# step's generation x 4 plus loading. The limits keep the whole under 10 minutes (570 s).
+# took matmul 4 s, sft 55 s, sft_micro4x 53 s, decode 44 s, ppo 124 s, ppo_graph 89 s (376 s in all).
+# The limits keep the whole under 10 minutes (590 s), with the most room where the time was longest.
 phase matmul 30
-phase sft 100 "$@"
+phase sft 90 "$@"
 phase sft_micro4x 90 "$@"
-phase decode 90
-phase ppo 130 "$@"
+phase decode 80
+phase ppo 170 "$@"
 phase ppo_graph 130 "$@"
 "$PYTHON" bench/gpu_bench.py report --out "$OUT" "${TINY[@]}" "$@"
 echo "=== total ${SECONDS}s"
