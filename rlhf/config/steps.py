@@ -206,8 +206,9 @@ class PPOStepConfig(StepConfig):
     # Decode rollouts with the static-shape token step (rlhf.decode._StaticSteps): on a GPU recorded
     # once per generate call as a CUDA graph and replayed per token, the all-ended check every 16
     # tokens; the default loop's distribution (its log-probs match a plain forward as closely). On one
-    # H200 the PPO step ran 1.52x faster (docs/benchmarks.md). On CPU it runs without a graph (every token attends over
-    # the whole cache: about the default loop's speed at short answers, more as answers grow).
+    # H200 the PPO step ran 1.52x faster (docs/benchmarks.md). On CPU it runs without a graph (every
+    # token attends over the whole cache: about the default loop's speed at short answers, more as
+    # answers grow).
     decode_graph: bool = False
     # Answers sampled per prompt (> 1 for group-normalized advantages).
     samples_per_prompt: int = 1
