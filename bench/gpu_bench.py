@@ -66,6 +66,8 @@ SETTINGS = {
         "decode": {"prompt": 16, "answer": 16, "rows": 4, "repeats": 1, "copy_mb": 16},
     },
 }
+# The decode phase samples at PPO's default temperature (conf/step/ppo.yaml).
+DECODE_TEMPERATURE = 0.7
 # Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts), in TFLOP/s.
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 # Memory bandwidth from the same datasheets, GB/s (H100 SXM 3.35 TB/s; A100 80GB SXM 2.04 TB/s).
@@ -285,7 +287,7 @@ def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dic
 
     def run(static: bool):
         return decode(model, ids, mask, s["answer"], tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample=True,
-                      temperature=0.7, min_new_tokens=s["answer"], with_logprobs=True, static=static)
+                      temperature=DECODE_TEMPERATURE, min_new_tokens=s["answer"], with_logprobs=True, static=static)
 
     result = {"model": spec["name"], "rows": s["rows"], "prompt_tokens": s["prompt"], "answer_tokens": s["answer"],
               "precision": "fp32" if tiny else "bf16"}
@@ -307,7 +309,8 @@ def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dic
     first = torch.where(differs.any(1), differs.argmax(1), torch.full_like(differs[:, 0], a[0].shape[1]))
     result["median_first_differing_token"] = float(first.float().median())
     for name, (tokens, logprobs) in (("default", a), ("static_graph", b)):
-        gap = (logprobs - forward_logprobs(model, ids, mask, tokens, 0.7, tokenizer.eos_token_id, s["answer"])).abs()
+        gap = (logprobs - forward_logprobs(model, ids, mask, tokens, DECODE_TEMPERATURE, tokenizer.eos_token_id,
+                                               s["answer"])).abs()
         result[f"{name}_logprob_vs_forward_max"] = float(gap.max())
         result[f"{name}_logprob_vs_forward_mean"] = float(gap.mean())
 
@@ -334,15 +337,18 @@ def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dic
 
 def forward_logprobs(model, ids, mask, tokens, temperature: float, eos_id: int, min_new: int):
     """Log-probabilities of ``tokens`` after ``ids`` from one forward of the whole sequence, under the
-    distribution decode samples from: logits / temperature, eos left out of the first ``min_new``."""
+    distribution decode samples from (PPO's ``token_logprobs`` at the temperature), eos left out of
+    the first ``min_new``."""
     import torch
+
+    from rlhf.losses import token_logprobs
 
     full = torch.cat([ids, tokens], dim=1)
     with torch.no_grad():
         logits = model(full, attention_mask=torch.cat([mask, torch.ones_like(tokens)], dim=1)).logits
     logits = logits[:, ids.shape[1] - 1:-1].float()
     logits[:, :min_new, eos_id] = float("-inf")
-    return torch.log_softmax(logits / temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    return token_logprobs(logits, tokens, temperature)
 
 
 def param_count(path: str) -> int:

@@ -585,9 +585,9 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # The static step replays as a CUDA graph only where the actor is whole on the device (not under
     # ZeRO-3's layerwise gathering, rlhf.decode._own_forward) and on a GPU.
     static = step.decode_graph and whole
-    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates, static,
-                            static and hw.accelerator != "cpu") + gather
-    if static and hw.accelerator != "cpu":
+    graph = static and hw.accelerator != "cpu"
+    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates, static, graph) + gather
+    if graph:
         notes.append("generation replayed as a CUDA graph (step.decode_graph): no per-layer dispatch cost")
 
     # Scoring forwards over whole rollouts: reference (the actor's size), critic and reward model
