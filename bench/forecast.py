@@ -78,8 +78,9 @@ E2E_ROWS = {"opt-1.3b_a6000": 76_256, "opt-13b_8xa100-40g": round(BENCH_PROMPTS 
             "opt-66b_64xa100-80g": round(BENCH_PROMPTS / 0.4)}
 
 
-def cell_config(actor: str, hardware: str, batch: int, zero: int, offload_reference: bool, lora_only: bool):
-    return to_schema(compose([
+def cell_config(actor: str, hardware: str, batch: int, zero: int, offload_reference: bool, lora_only: bool,
+                generation: str = "auto"):
+    return to_schema(compose([f"step.zero3_generation={generation}",
         "step=ppo", f"model={actor}", f"hardware={hardware}", f"zero={zero}", "+stage=[dschat/ppo,dschat-opt-rm/ppo]",
         f"step.rollout_batch_size_per_device={batch}", f"step.micro_batch_size_per_device={batch}",
         "step.gradient_accumulation_steps=1", "step.ppo_epochs=1", "step.epochs=1",
@@ -91,23 +92,30 @@ def cell_config(actor: str, hardware: str, batch: int, zero: int, offload_refere
 def fitting_config(actor: str, hardware: str):
     """DeepSpeed-Chat's rule, "the largest batch that does not run out of memory, up to 1024 rollouts
     per step", over the ways of fitting (full weights trained beside the LoRA adapters as its scripts
-    do, or adapters only; ZeRO stage; the reference offloaded or not), by the memory pre-flight; of
-    the ways that reach that batch, the one the forecast finds fastest."""
+    do, or adapters only; ZeRO stage; the reference offloaded or not; under ZeRO-3 the actor gathered
+    whole or in tensor-parallel slices over a node for generation), by the memory pre-flight; of the
+    ways that reach that batch, the one the forecast finds fastest. Its hybrid engine always gathers
+    the actor to generate (whole, or in --inference_tp_size slices: run_66b.sh), so generating layer
+    by layer is a way only where no gathered one fits at any batch."""
     world = to_schema(compose([f"hardware={hardware}"])).world_size
     stages = (0, 3) if world == 1 else (2, 3) if actor == "opt-1.3b" else (3,)
-    fitting = []
-    for lora_only in (False, True):
-        for zero in stages:
-            for offload in (False, True):
-                for batch in (64, 32, 16, 8, 4, 2, 1):
-                    if batch * world > 1024:
-                        continue
-                    cfg = cell_config(actor, hardware, batch, zero, offload, lora_only)
-                    if memory.verdict(memory.estimate(cfg), cfg.hardware.memory_per_device_gb)[0]:
-                        fitting.append(cfg)
-                        break
-    return max(fitting, default=None, key=lambda c: (c.step.rollout_batch_size_per_device,
-                                                    -forecast.forecast(c, part_rows=BENCH_PROMPTS).seconds))
+    for generations in (("gather", "tp") if world > 1 else ("gather",), ("layerwise",)):
+        fitting = []
+        for lora_only in (False, True):
+            for zero in stages:
+                for generation in generations if zero == 3 else generations[:1]:  # nothing gathered below 3
+                    for offload in (False, True):
+                        for batch in (64, 32, 16, 8, 4, 2, 1):
+                            if batch * world > 1024:
+                                continue
+                            cfg = cell_config(actor, hardware, batch, zero, offload, lora_only, generation)
+                            if memory.verdict(memory.estimate(cfg), cfg.hardware.memory_per_device_gb)[0]:
+                                fitting.append(cfg)
+                                break
+        if fitting:
+            return max(fitting, key=lambda c: (c.step.rollout_batch_size_per_device,
+                                               -forecast.forecast(c, part_rows=BENCH_PROMPTS).seconds))
+    return None
 
 
 def e2e_config(experiment: str, step: str):
@@ -140,6 +148,13 @@ def own_configs() -> dict:
             "ppo": (ppo(False), 4.02, (512, 256)), "ppo decode_graph": (ppo(True), 2.64, (512, 256))}
 
 
+def generated(cfg) -> str:
+    """How a ZeRO-3 cell's actor generates, for its setting column."""
+    way = memory.generation_gathering(cfg)
+    return "" if cfg.zero.stage != 3 else {0: ", generation layer by layer", 1: ", generation gathered whole"}.get(
+        way, f", generation in {way} tensor-parallel slices")
+
+
 def ratio(forecast_h: float, published_h: float) -> float:
     return forecast_h / published_h
 
@@ -160,6 +175,7 @@ def main() -> None:
                      "forecast_h": round(f.seconds / 3600, 3), "ratio": round(ratio(f.seconds / 3600, hours), 2),
                      "published_usd": dollars, "forecast_usd": None if f.cost is None else round(f.cost),
                      "setting": f"zero {cfg.zero.stage}, {cfg.step.rollout_batch_size_per_device} rollouts/device"
+                                + generated(cfg)
                                 + (", reference offloaded" if cfg.step.offload_reference else "")
                                 + (", adapters only" if cfg.lora.only_optimize_lora else ""),
                      "phases_h": {k: round(v / 3600, 3) for k, v in f.phases.items()}})

@@ -6,7 +6,7 @@ ranks, once at ZeRO-0 and once at ZeRO-3, and prints one JSON line per stage wit
 medians, alternating the stages over --rounds launches, then the ratio of ZeRO-3's median generation
 time to ZeRO-0's (the issue's target: <= 1.2).
 Under ZeRO-3 the actor is gathered whole for the rollout when the memory pre-flight says it fits
-(``rlhf.memory.generation_gathers_whole_model``), as it does for this model.
+(``rlhf.memory.generation_gathering``), as it does for this model.
 
     python bench/zero3_generate.py
     python bench/zero3_generate.py --steps 10 --rounds 5

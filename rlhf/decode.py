@@ -229,7 +229,8 @@ STATIC_CHECK_EVERY = 16
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
            pad_id: int, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           min_new_tokens: int = 0, synced: bool = False, with_logprobs: bool = False, static: bool = False):
+           min_new_tokens: int = 0, synced: bool = False, with_logprobs: bool = False, static: bool = False,
+           tp_group=None):
     """New tokens [batch, <= max_new_tokens] for left-padded prompts; after a row's eos, pad.
 
     ``with_logprobs``: (tokens, logprobs), each new token's log-probability under the softmax of
@@ -244,6 +245,9 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     fp32 the same tokens; in bf16 both loops round differently, and their log-probs match one forward
     over their own tokens equally closely: bench/gpu.sh's decode phase). Families
     without a forward of ours decode the default way (a one-line notice says so).
+
+    ``tp_group``: ``model`` is this rank's tensor-parallel slice (rlhf.shards) and the group decodes
+    the same rows; every token is the group's first rank's draw, so the group never parts.
     """
     own = _own_forward(model, input_ids.shape[1] + max_new_tokens)
     if static and own is None:
@@ -269,6 +273,8 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         # Scaled once for the sampler and the log-probs (greedy picks on the raw logits, as generate).
         scaled = logits.float() / temperature if temperature != 1.0 and (do_sample or with_logprobs) else logits
         tok = next_tokens(scaled if do_sample else logits, do_sample, 1.0, top_k, top_p)
+        if tp_group is not None:  # each rank's RNG differs; a rank that parted would hang the group
+            dist.broadcast(tok, src=dist.get_global_rank(tp_group, 0), group=tp_group)
         tok = torch.where(done, pad, tok)
         tokens.append(tok)
         if with_logprobs:  # of the distribution that drew (eos excluded before min_new_tokens)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
-from rlhf.memory import generation_gathers_whole_model, param_counts
+from rlhf.memory import generation_gathering, param_counts, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
 # own SFT of a 1.3B model on one H200 ran at 29-33% with 16 rows of 512 tokens (two runs), 47% with 64
@@ -73,6 +73,8 @@ class Rates:
     # bandwidth; inf where the preset does not say (offload then costs nothing here, and a note says so).
     host_link: float = float("inf")
     host_memory: float = float("inf")
+    # bytes/s between devices of one node (a tensor-parallel generation group's all-reduces); None: link.
+    node_link: float | None = None
 
 
 @dataclass
@@ -178,8 +180,9 @@ def hardware_rates(cfg: Config) -> Rates:
     host_link = hw.host_link_gbs * 1e9 * BANDWIDTH_EFFICIENCY if hw.host_link_gbs else float("inf")
     host_memory = (hw.host_memory_gbs * 1e9 * BANDWIDTH_EFFICIENCY / hw.devices_per_node if hw.host_memory_gbs
                    else float("inf"))
+    node = hw.intra_node_gbs * 1e9 * COMM_EFFICIENCY if hw.intra_node_gbs else float("inf")
     return Rates(hw.peak_tflops * 1e12 * MATMUL_EFFICIENCY, memory, link_bps, DECODE_LAYER_OVERHEAD_S,
-                 host_link=host_link, host_memory=host_memory)
+                 host_link=host_link, host_memory=host_memory, node_link=node)
 
 
 def offload_s(cfg: Config, params: int, trainable: int, micro_batches: int, rates: Rates, notes: list[str]) -> float:
@@ -342,14 +345,19 @@ def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: floa
 
 # ----------------------------------------------------------------------------- generation
 def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int, precision: str,
-                 rates: Rates, static: bool = False, graph: bool = False) -> float:
+                 rates: Rates, static: bool = False, graph: bool = False, shards: int = 1) -> float:
     """Answers to ``seqs`` prompts, ``chunk`` at a time, on one device holding the whole model:
     prefill is one forward over the prompts; each decoding step reads the weights and the KV cache
     (at its mean length) once for the chunk, or computes, whichever is slower, plus the per-layer cost.
 
     ``static`` (step.decode_graph): every step attends over the whole fixed-length cache (prompt +
     answer), and where it is replayed as a CUDA graph (``graph``) the host dispatches nothing per
-    layer, so the per-layer cost is gone."""
+    layer, so the per-layer cost is gone.
+
+    ``shards`` > 1: each device holds a tensor-parallel slice (rlhf.shards) and its group of
+    ``shards`` devices decodes all their chunks together. Per device the FLOPs and KV cache are
+    those of its own chunk, the layers' weights read are 1/shards (the embedding and head whole),
+    and every layer adds two all-reduces of the group's activations within the node."""
     if seqs <= 0:
         return 0.0
     chunk = min(chunk, seqs)
@@ -357,10 +365,18 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
     prefill = forward_flops(m, seqs * prompt, prompt / 2, True) / rates.flops
     attended = prompt + (answer if static else answer / 2)
     kv_bytes = 2 * m.num_layers * chunk * attended * m.hidden_size * width
-    read = (param_counts(m)[0] * width + kv_bytes) / rates.memory
+    weights, reduce = param_counts(m)[0] * width, 0.0
+    if shards > 1:
+        tables = table_bytes(m, precision)
+        weights = (weights - tables) / shards + tables
+        # A ring all-reduce sends and receives 2 (t - 1) / t of the tensor: the group's rows x hidden.
+        per_row = 2 * m.num_layers * 2 * (shards - 1) * m.hidden_size * width / (rates.node_link or rates.link)
+        prefill += per_row * seqs * prompt
+        reduce = per_row * chunk
+    read = (weights + kv_bytes) / rates.memory
     math = forward_flops(m, chunk, attended, True) / rates.flops
     overhead = 0.0 if graph else m.num_layers * rates.layer_overhead_s
-    return prefill + -(-seqs // chunk) * answer * (max(read, math) + overhead)
+    return prefill + -(-seqs // chunk) * answer * (max(read, math) + overhead + reduce)
 
 
 # ----------------------------------------------------------------------------------- work
@@ -576,17 +592,20 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # KV cache at its mean length.
     chunk = step.generation_batch_size_per_device or batch
     calls = -(-batch // chunk)
-    gather, whole = 0.0, True
+    gather, gathering = 0.0, 1
     if cfg.zero.stage == 3:
-        whole = generation_gathers_whole_model(cfg, critic)
-        gather = calls * (1 if whole else answer) * collective_s(a_total * width, world, rates)
-        notes.append("ZeRO-3 generation: " + ("the actor gathered once per call" if whole else
-                                              "the actor gathered layer by layer for every token"))
+        gathering = generation_gathering(cfg, critic)
+        gather = calls * (1 if gathering else answer) * collective_s(a_total * width, world, rates)
+        notes.append("ZeRO-3 generation: " + {0: "the actor gathered layer by layer for every token",
+                                              1: "the actor gathered once per call"}.get(
+            gathering, f"the actor gathered once per call into tensor-parallel slices over {gathering} ranks"))
+    shards = max(gathering, 1)
     # The static step replays as a CUDA graph only where the actor is whole on the device (not under
-    # ZeRO-3's layerwise gathering, rlhf.decode._own_forward) and on a GPU.
-    static = step.decode_graph and whole
+    # ZeRO-3's layerwise gathering, rlhf.decode._own_forward, nor in tensor-parallel slices, which
+    # decode eagerly) and on a GPU.
+    static = step.decode_graph and gathering == 1
     graph = static and hw.accelerator != "cpu"
-    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates, static, graph) + gather
+    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates, static, graph, shards) + gather
     if graph:
         notes.append("generation replayed as a CUDA graph (step.decode_graph): no per-layer dispatch cost")
 
@@ -622,7 +641,8 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # each scored by the reward model where there is one.
     evals = 2 + (steps // step.eval_every_steps if step.eval_every_steps else 0)
     per_rank = -(-step.eval_prompts // world)
-    greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, hw.precision, rates)
+    greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, hw.precision, rates,
+                          shards=shards)
     if "reward" in roles:
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
     # The start check (rlhf.runners.ppo.policy_check): sampled answers to the select half, scored by
@@ -632,7 +652,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
         from rlhf.readiness import POLICY_CHECK_SAMPLES
 
         samples = -(-step.eval_prompts * POLICY_CHECK_SAMPLES // world)
-        check = generation_s(actor, samples, chunk, prompt, answer, hw.precision, rates) \
+        check = generation_s(actor, samples, chunk, prompt, answer, hw.precision, rates, shards=shards) \
             + forward_flops(critic, samples * seq, seq / 2, False) / rates.flops
     micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
     train_dispatch = micro * (overheads_s(actor, rates)[0] + (overheads_s(critic, rates)[0] if "critic" in roles else 0.0))

@@ -12,8 +12,8 @@ under checkpointing; a language-model head adds b*s*V*(2 + 4) bytes of logits (s
 models and critics have none). Generation's KV cache is 2 * layers * batch * length * hidden * bytes.
 Under ZeRO-3 the generating model (PPO's actor, SFT's model) is either gathered whole for a
 generate call -- its full 16/32-bit weights resident beside its shard -- or gathered layer by
-layer as in training; ``generation_gathers_whole_model`` picks one, for the pre-flight and the
-runners alike.
+layer as in training, or gathered into tensor-parallel slices over a node's ranks;
+``generation_gathering`` picks one, for the pre-flight and the runners alike.
 
     python launch.py experiment=opt-13b_8xa100-40g step=ppo launch.dry_run=true   # prints the table
 """
@@ -123,26 +123,45 @@ def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
     return cfg.model
 
 
-def generation_gathers_whole_model(cfg: Config, critic_model: ModelConfig | None = None) -> bool:
-    """Whether a ZeRO-3 generate call holds the whole generating model gathered (one gather per
-    call) rather than layer by layer (ZeRO-3's hooks gather every layer again for every token).
+def table_bytes(m: ModelConfig, precision: str) -> float:
+    """The embedding and the language-model head (one table where tied, as OPT's): what a
+    tensor-parallel slice of the model (rlhf.shards) holds whole on every rank."""
+    return (2 if precision in ("fp16", "bf16") else 4) * m.vocab_size * m.hidden_size * (1 if m.family == "opt" else 2)
 
-    ``step.zero3_generation`` gather / layerwise decide; auto gathers when this pre-flight says the
-    full 16/32-bit model fits on one device beside everything else the step holds.
+
+def generation_tp_size(cfg: Config) -> int:
+    """Ranks per tensor-parallel generation group: step.generation_tp_size, 0 for a node's devices."""
+    return getattr(cfg.step, "generation_tp_size", 0) or min(cfg.hardware.devices_per_node, cfg.world_size)
+
+
+def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -> int:
+    """How a ZeRO-3 generate call holds the generating model: 1, gathered whole (one gather per
+    call); t > 1, gathered into tensor-parallel slices over groups of t ranks (rlhf.shards, one
+    gather per call, 1/t of the weights per device); 0, layer by layer (ZeRO-3's hooks gather
+    every layer again for every token) -- and 0 where nothing is gathered (not ZeRO-3).
+
+    ``step.zero3_generation`` gather / tp / layerwise decide; auto takes the first of gather and tp
+    that this pre-flight says fits on one device beside everything else the step holds (tp only
+    where the model splits over the group), else layerwise.
     """
     if cfg.zero.stage != 3 or generating_role(cfg) is None:
-        return False
+        return 0
     mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
+    t = generation_tp_size(cfg)
     if mode != "auto":
-        return mode == "gather"
-    fits, _ = verdict(estimate(cfg, critic_model, gather_whole=True), cfg.hardware.memory_per_device_gb)
-    return fits
+        return {"gather": 1, "tp": t, "layerwise": 0}[mode]
+    from rlhf.shards import unsupported
+
+    m = cfg.model
+    ways = [1] + ([t] if t > 1 and not unsupported(m.family, m.num_heads, m.ffn_size, t) else [])
+    budget = cfg.hardware.memory_per_device_gb
+    return next((way for way in ways if verdict(estimate(cfg, critic_model, gathering=way), budget)[0]), 0)
 
 
 def estimate(cfg: Config, critic_model: ModelConfig | None = None,
-             gather_whole: bool | None = None) -> list[RoleMemory]:
-    """Memory of every role of the run's step on one device; ``gather_whole`` None: as
-    ``generation_gathers_whole_model`` decides."""
+             gathering: int | None = None) -> list[RoleMemory]:
+    """Memory of every role of the run's step on one device; ``gathering`` None: as
+    ``generation_gathering`` decides."""
     world, stage, precision = cfg.world_size, cfg.zero.stage, cfg.hardware.precision
     offload_opt = cfg.zero.offload_optimizer.device != "none"
     offload_par = cfg.zero.offload_param.device != "none"
@@ -159,14 +178,20 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
         if lora:
             r.notes.append(f"LoRA rank {lora}: {trainable / 1e6:.1f}M trainable")
         if stage == 3 and generating_role(cfg) == name:
-            whole = generation_gathers_whole_model(cfg, critic_model) if gather_whole is None else gather_whole
-            if whole:
-                # The gathered copy takes the place of the one-layer working set; the shard stays
-                # beside it unless it lives in host memory.
-                full = (2 if precision in ("fp16", "bf16") else 4) * (total + lora_params)
-                r.weights = full if offload_par else full / world + full
+            way = generation_gathering(cfg, critic_model) if gathering is None else gathering
+            if way:
+                # The gathered copy (whole, or this rank's tensor-parallel slice: 1/t of the layers'
+                # weights, the embedding and head whole; OPT ties them) takes the place of the
+                # one-layer working set; the shard stays beside it unless it lives in host memory.
+                width = 2 if precision in ("fp16", "bf16") else 4
+                full = width * (total + lora_params)
+                tables = table_bytes(m, precision)
+                held = full if way == 1 else (full - tables) / way + tables
+                r.weights = held if offload_par else full / world + held
             key = f" (step.zero3_generation={step.zero3_generation})" if hasattr(step, "zero3_generation") else ""
-            r.notes.append(f"ZeRO-3 generation: {'whole model gathered once per call' if whole else 'layer by layer'}{key}")
+            how = {0: "layer by layer", 1: "whole model gathered once per call"}.get(
+                way, f"gathered once per call into tensor-parallel slices over {way} ranks")
+            r.notes.append(f"ZeRO-3 generation: {how}{key}")
         return r
 
     def frozen_role(name: str, m: ModelConfig, offload: bool) -> RoleMemory:

@@ -168,29 +168,60 @@ def gathered_whole(engine):
 
 @torch.no_grad()
 def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0, gather_whole: bool = False,
+             top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0, gathering: int = 0,
              with_logprobs: bool = False, static: bool = False):
     """Answers (response tokens only) for a left-padded prompt batch; stops at eos. With
     ``with_logprobs``, (answers, their log-probs at the temperature) as ``decode`` gives them;
     ``static``: through the static (CUDA-graph) decode step, ``decode``'s ``static``.
 
-    Under ZeRO-3, ``gather_whole`` (``rlhf.memory.generation_gathers_whole_model``) holds the whole
-    actor gathered for the call; otherwise ZeRO-3's hooks gather one layer at a time, every token.
+    Under ZeRO-3, ``gathering`` (``rlhf.memory.generation_gathering``) says how the actor generates:
+    0, ZeRO-3's hooks gather one layer at a time, every token; 1, the whole actor held gathered for
+    the call; t > 1, in tensor-parallel slices over groups of t ranks (rlhf.shards).
     """
     actor.eval()
     zero3 = actor.zero_optimization_stage() == 3
-    gathered = gathered_whole(actor) if zero3 and gather_whole else contextlib.nullcontext()
-    with gathered:
-        # Synced even when gathered, for families decoded through the model's own forward: the root's
-        # start-of-forward hook stays, and it may run a collective while the fetch trace is recorded,
-        # so every rank runs the same number of forwards. Our family forwards (decode.FORWARDS) call
-        # no hook and skip the sync.
-        out = decode(actor.module, batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device),
-                     max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample, temperature, top_k,
-                     top_p, min_new_tokens, synced=zero3 and dist.get_world_size() > 1, with_logprobs=with_logprobs,
-                     static=static)
+    ids, mask = batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device)
+    args = (max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample, temperature, top_k, top_p,
+            min_new_tokens)
+    if zero3 and gathering > 1:
+        # Eagerly: the static (CUDA-graph) step with the group's all-reduces inside is not measured.
+        out = _generate_sliced(actor, ids, mask, gathering, tokenizer.pad_token_id, args, with_logprobs)
+    else:
+        with gathered_whole(actor) if zero3 and gathering == 1 else contextlib.nullcontext():
+            # Synced even when gathered, for families decoded through the model's own forward: the
+            # root's start-of-forward hook stays, and it may run a collective while the fetch trace is
+            # recorded, so every rank runs the same number of forwards. Our family forwards
+            # (decode.FORWARDS) call no hook and skip the sync.
+            out = decode(actor.module, ids, mask, *args, synced=zero3 and dist.get_world_size() > 1,
+                         with_logprobs=with_logprobs, static=static)
     actor.train()
     return out
+
+
+def _generate_sliced(actor, ids, mask, t: int, pad_id: int, args: tuple, with_logprobs: bool):
+    """``generate`` through tensor-parallel slices: the group decodes all its ranks' prompts as one
+    batch (each rank's left-padded to the group's longest, its rows to the most, with copies of its
+    first row) and each rank keeps its own rows."""
+    from rlhf import shards
+
+    group = shards.tp_group(t)
+    shape = torch.tensor(ids.shape, device=ids.device)
+    shapes = [torch.zeros_like(shape) for _ in range(t)]
+    dist.all_gather(shapes, shape, group=group)
+    rows, length = (max(int(s[i]) for s in shapes) for i in (0, 1))
+    pad = length - ids.shape[1]
+    ids = F.pad(ids, (pad, 0), value=pad_id)
+    mask = F.pad(mask, (pad, 0), value=0)
+    extra = rows - ids.shape[0]
+    ids, mask = (torch.cat([x, x[:1].expand(extra, -1)]) for x in (ids, mask))
+    parts = [[torch.empty_like(x) for _ in range(t)] for x in (ids, mask)]
+    for gathered, x in zip(parts, (ids, mask), strict=True):
+        dist.all_gather(gathered, x.contiguous(), group=group)
+    mine = slice(dist.get_rank(group) * rows, dist.get_rank(group) * rows + rows - extra)
+    with shards.tensor_parallel_copy(actor.module, t) as (copy, group):
+        out = decode(copy, torch.cat(parts[0]), torch.cat(parts[1]), *args, with_logprobs=with_logprobs,
+                     tp_group=group)
+    return (out[0][mine], out[1][mine]) if with_logprobs else out[mine]
 
 
 def sampled_answers(engine, rows: list[dict], tokenizer, chunk: int, seed: int, **generate_kwargs):
@@ -224,7 +255,7 @@ def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[
 
 @torch.no_grad()
 def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tokens: int,
-             batch_size: int, gather_whole: bool = False, samples: list | None = None) -> dict[str, float]:
+             batch_size: int, gathering: int = 0, samples: list | None = None) -> dict[str, float]:
     """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
     score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts).
     ``samples``: a list this rank's first batch of (prompt, answer, rule, reward) rows is appended to."""
@@ -235,7 +266,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
     sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
-        response = generate(actor, batch, tokenizer, max_new_tokens, gather_whole=gather_whole)
+        response = generate(actor, batch, tokenizer, max_new_tokens, gathering=gathering)
         rmask = response_mask(response, tokenizer.eos_token_id)
         answers = answer_texts(tokenizer, response, rmask)
         sums[0] += len(answers)

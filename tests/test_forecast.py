@@ -27,6 +27,24 @@ def test_flops_by_hand():
     assert forecast.train_flops(TOY, 10, 8, True, checkpointing=True, lora=True) == 3 * 37_760
 
 
+def test_generation_in_tensor_parallel_slices_by_hand():
+    """Two devices each holding half of every layer decode both their rows together: per device and
+    decoding step, half the layers' weights (the tied embedding whole), its own rows' KV cache, and two
+    all-reduces per layer of the pair's activations, each sending and receiving half of it."""
+    rates = forecast.Rates(flops=1e30, memory=1e9, link=1e9, layer_overhead_s=0.0, node_link=1e8)
+    weights = forecast.param_counts(TOY)[0] * 2  # fp16
+    tables = 2 * TOY.vocab_size * TOY.hidden_size  # OPT ties its head to the embedding
+    kv = 2 * 2 * 4 * (4 + 2) * 8 * 2  # as in the test below: 4 rows, prompts and answers of 4
+    # 2 layers x 2 all-reduces x 2 (t - 1) / t x (2 devices x 4 rows) x 8 wide x 2 bytes.
+    reduce_step = 2 * 2 * 1 * 8 * 8 * 2 / 1e8
+    prefill_reduce = 2 * 2 * 1 * 8 * 4 * 8 * 2 / 1e8  # the prompts' 4 tokens at once
+    step = ((weights - tables) / 2 + tables + kv) / 1e9 + reduce_step
+    assert forecast.generation_s(TOY, 4, 4, 4, 4, "fp16", rates, shards=2) == pytest.approx(
+        prefill_reduce + 4 * step)
+    whole = (weights + kv) / 1e9
+    assert forecast.generation_s(TOY, 4, 4, 4, 4, "fp16", rates) == pytest.approx(4 * whole)
+
+
 def test_zero_traffic_by_hand():
     """1,000 fp16 parameters (2,000 bytes) over 4 devices at 1 GB/s: one all-gather or reduce-scatter
     moves 3/4 of the tensor per device, 1.5 us."""
@@ -81,12 +99,17 @@ def test_phases_sum_to_the_total_and_the_price_makes_the_cost(overrides):
 def test_the_forecast_of_a_gpu_preset_is_the_same_on_every_machine():
     """GPU presets read datasheet figures, never the machine running the dry-run: the figures are
     reproducible (bench/forecast.py relies on it); a layer-by-layer ZeRO-3 generation across 8 nodes
-    shows up as generation time."""
+    shows up as generation time, several times what tensor-parallel slices over each node take."""
     cfg = to_schema(compose_step(["experiment=opt-66b_64xa100-80g"], "ppo"))  # with the chain's stage files
     a, b = forecast.forecast(cfg, part_rows=1000), forecast.forecast(cfg, part_rows=1000)
     assert a.as_dict() == b.as_dict()
-    assert a.phases["generation"] > a.phases["updates"]
-    assert any("layer by layer" in n for n in a.notes)
+    assert any("tensor-parallel slices over 8 ranks" in n for n in a.notes)
+    layered = to_schema(compose_step(["experiment=opt-66b_64xa100-80g", "pipeline.ppo.step.zero3_generation=layerwise"],
+                                     "ppo"))
+    slow = forecast.forecast(layered, part_rows=1000)
+    assert any("layer by layer" in n for n in slow.notes)
+    assert slow.phases["generation"] > slow.phases["updates"]
+    assert slow.phases["generation"] > 5 * a.phases["generation"]
 
 
 def test_a_gpu_preset_without_a_peak_has_no_forecast_and_says_why(tmp_path, capsys):

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from rlhf import memory, models
 from rlhf.config import to_schema
 from tests.conftest import ROOT, clean_env, compose, free_port
+from tests.zero3_generate_worker import PROMPTS
 
 WORKER = ROOT / "tests" / "zero3_generate_worker.py"
 TINY = ["step=ppo", "model=tiny-llama", "hardware=cpu-2rank", "step.micro_batch_size_per_device=2",
@@ -38,24 +39,28 @@ def _step_config(name: str, *extra: str):
                               *extra]))
 
 
-def test_gathers_whole_actor_only_where_it_fits():
+def test_generation_gathering_takes_the_first_way_that_fits():
     small = _step_config("opt-1.3b_a6000", "zero=3")
-    assert small.zero.stage == 3 and memory.generation_gathers_whole_model(small)
+    assert small.zero.stage == 3 and memory.generation_gathering(small) == 1
     big = _step_config("opt-66b_64xa100-80g")
-    assert big.zero.stage == 3 and not memory.generation_gathers_whole_model(big)
-    # Forced gathering of 66B 16-bit weights (134 GB) cannot fit an 80 GB device; the pre-flight says so.
+    # 66B's 16-bit weights (134 GB) cannot be whole on an 80 GB device; an eighth of its layers can,
+    # split over a node's 8 devices (DeepSpeed-Chat's --inference_tp_size 8 for this setting).
+    assert big.zero.stage == 3 and memory.generation_gathering(big) == 8
     forced = _step_config("opt-66b_64xa100-80g", "step.zero3_generation=gather")
-    assert memory.generation_gathers_whole_model(forced)
+    assert memory.generation_gathering(forced) == 1
     fits, line = memory.verdict(memory.estimate(forced), forced.hardware.memory_per_device_gb)
     assert not fits, line
-    assert not memory.generation_gathers_whole_model(_step_config("opt-1.3b_a6000", "zero=3",
-                                                                  "step.zero3_generation=layerwise"))
-    assert not memory.generation_gathers_whole_model(_step_config("opt-1.3b_a6000"))  # zero 0: nothing to gather
+    # Halves (67 GB each beside the shard and the cache) do not fit either: auto falls back to layerwise.
+    assert memory.generation_gathering(_step_config("opt-66b_64xa100-80g", "step.generation_tp_size=2")) == 0
+    assert memory.generation_gathering(_step_config("opt-66b_64xa100-80g", "step.zero3_generation=tp",
+                                                    "step.generation_tp_size=4")) == 4
+    assert memory.generation_gathering(_step_config("opt-1.3b_a6000", "zero=3", "step.zero3_generation=layerwise")) == 0
+    assert memory.generation_gathering(_step_config("opt-1.3b_a6000")) == 0  # zero 0: nothing to gather
 
 
 def test_estimate_counts_the_gathered_actor_and_the_table_names_the_mode():
     cfg = _step_config("opt-1.3b_a6000", "zero=3")
-    whole, layered = memory.estimate(cfg, gather_whole=True), memory.estimate(cfg, gather_whole=False)
+    whole, layered = memory.estimate(cfg, gathering=1), memory.estimate(cfg, gathering=0)
     total, _, lora = memory.param_counts(cfg.model, cfg.lora.rank)
     full = 2 * (total + lora)  # fp16 actor
     assert whole[0].weights == full / cfg.world_size + full > layered[0].weights  # gathered beside its shard
@@ -63,8 +68,15 @@ def test_estimate_counts_the_gathered_actor_and_the_table_names_the_mode():
     assert "whole model gathered once per call (step.zero3_generation=auto)" in memory.table(
         memory.estimate(cfg), cfg.hardware.memory_per_device_gb)
     big = _step_config("opt-66b_64xa100-80g")
-    assert "layer by layer (step.zero3_generation=auto)" in memory.table(memory.estimate(big),
-                                                                         big.hardware.memory_per_device_gb)
+    total, _, lora = memory.param_counts(big.model, big.lora.rank)
+    full, tables = 2 * (total + lora), 2 * big.model.vocab_size * big.model.hidden_size  # OPT ties its head
+    # An eighth of every layer beside the shard; the embedding whole on every rank of the group.
+    assert memory.estimate(big)[0].weights == pytest.approx(full / 64 + (full - tables) / 8 + tables)
+    assert "tensor-parallel slices over 8 ranks (step.zero3_generation=auto)" in memory.table(
+        memory.estimate(big), big.hardware.memory_per_device_gb)
+    layerwise = _step_config("opt-66b_64xa100-80g", "step.zero3_generation=layerwise")
+    assert "layer by layer (step.zero3_generation=layerwise)" in memory.table(
+        memory.estimate(layerwise), big.hardware.memory_per_device_gb)
 
 
 def test_bad_mode_is_named():
@@ -72,6 +84,8 @@ def test_bad_mode_is_named():
 
     with pytest.raises(ConfigError, match="step.zero3_generation='all' is not allowed"):
         to_schema(compose([*TINY, "step.zero3_generation=all"]))
+    with pytest.raises(ConfigError, match="step.generation_tp_size=-2 must be >= 0"):
+        to_schema(compose([*TINY, "step.generation_tp_size=-2"]))
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +93,10 @@ def two_rank_run(tmp_path_factory):
     """Both engine kinds, ZeRO-3 and ZeRO-0, on 2 CPU ranks: what each rank saw."""
     tmp = tmp_path_factory.mktemp("zero3_generate")
     files = []
-    for zero in ("3", "0"):
-        cfg = compose([*TINY, f"zero={zero}"])
+    for name, extra in (("zero3", ["zero=3"]), ("zero0", ["zero=0"]), ("lora", ["zero=3", "lora.rank=4"])):
+        cfg = compose([*TINY, *extra])
         schema = to_schema(cfg)
-        files.append(tmp / f"zero{zero}.yaml")
+        files.append(tmp / f"{name}.yaml")
         files[-1].write_text(OmegaConf.to_yaml(cfg, resolve=True))
     models.resolve_path(schema.model)  # built once here, into the test cache the ranks inherit
     out = tmp / "out"
@@ -113,6 +127,24 @@ def test_zero3_generate_gathers_once_and_matches_zero0(two_rank_run, kind):
         assert seen["tokens_gather"] == seen["tokens_zero0"], rank
         assert seen["tokens_layerwise"] == seen["tokens_gather"] == seen["tokens_gather_again"], rank
         assert seen["losses"]["zero3"] == pytest.approx(seen["losses"]["zero0"], rel=1e-4), rank
+        # Tensor-parallel slices over both ranks, each rank's prompts decoded in one batch with the
+        # other's: this rank's rows, the whole model's tokens and log-probs.
+        assert seen["tokens_tp"] == seen["tokens_zero0"], rank
+        assert len(seen["tokens_tp"]) == len(PROMPTS[rank])
+        for ours, whole in zip(seen["logprobs_tp"], seen["logprobs_zero0"], strict=True):
+            assert ours == pytest.approx(whole, abs=1e-4), rank
     if kind == "trainable":  # the step after generate really trained, identically under both stages
         before, after = two_rank_run[0]["trainable"]["losses"]["zero3"]
         assert after < before
+
+
+def test_tensor_parallel_slices_merge_lora_adapters(two_rank_run):
+    """A LoRA actor after one update: its slices, adapters merged into the weights, give the tokens and
+    log-probs of the whole model gathered, whose PEFT layers add the adapters at run time."""
+    for rank, seen in enumerate(two_rank_run):
+        lora = seen["lora"]
+        assert lora["b_norm"] > 0, "the adapters must be non-zero for the merge to be tested"
+        (tokens, logprobs), (tp_tokens, tp_logprobs) = lora["whole"], lora["tp"]
+        assert tp_tokens == tokens, rank
+        for ours, whole in zip(tp_logprobs, logprobs, strict=True):
+            assert ours == pytest.approx(whole, abs=1e-4), rank

@@ -1,8 +1,9 @@
-"""One rank of tests/test_zero3_generate.py: ZeRO-3 generation gathered once vs layer by layer,
-against the same model unpartitioned (ZeRO-0). Writes what it saw to OUT_DIR/rank<N>.json.
+"""One rank of tests/test_zero3_generate.py: ZeRO-3 generation gathered once, layer by layer and in
+tensor-parallel slices over both ranks, against the same model unpartitioned (ZeRO-0); and a LoRA
+actor's slices (adapters merged) against it gathered whole. Writes what it saw to OUT_DIR/rank<N>.json.
 
     python -m deepspeed.launcher.runner --num_gpus 2 --no_local_rank --master_port PORT \\
-        tests/zero3_generate_worker.py ZERO3.yaml ZERO0.yaml OUT_DIR
+        tests/zero3_generate_worker.py ZERO3.yaml ZERO0.yaml ZERO3_LORA.yaml OUT_DIR
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from rlhf.config import load_run_config
 from rlhf.rollout import _zero3_offload, gathered_whole, generate, left_pad, position_ids
 
 NEW_TOKENS = 6
-PROMPTS = [["sort: d b a c", "sort: x y"], ["sort: q w e r t y", "sort: m"]]  # per rank: ranks differ
+# Per rank: lengths and counts differ, so tensor-parallel groups pad both.
+PROMPTS = [["sort: d b a c", "sort: x y"], ["sort: q w e r t y", "sort: m", "sort: k j"]]
 
 
 def count_releases(module: torch.nn.Module, counts: Counter) -> None:
@@ -48,14 +50,14 @@ def count_releases(module: torch.nn.Module, counts: Counter) -> None:
         wrap(p)
 
 
-def main(zero3_yaml: str, zero0_yaml: str, out_dir: str) -> None:
+def main(zero3_yaml: str, zero0_yaml: str, lora_yaml: str, out_dir: str) -> None:
     # DeepSpeed compiles a shared-memory all-reduce on CPU init (a minute on 2 cores); only its
     # tensor-parallel inference path uses it, never ZeRO, so this check goes without it.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (deepspeed.comm.torch is torch)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    cfg3, cfg0 = load_run_config(zero3_yaml), load_run_config(zero0_yaml)
+    cfg3, cfg0, cfg_lora = (load_run_config(f) for f in (zero3_yaml, zero0_yaml, lora_yaml))
     path = models.resolve_path(cfg3.model)
     tokenizer = models.load_tokenizer(path)
     tokenizer.padding_side = "left"
@@ -69,10 +71,11 @@ def main(zero3_yaml: str, zero0_yaml: str, out_dir: str) -> None:
             return engine_factory.build_train_engine(model, cfg, total_steps=10)[0]
         return engine_factory.build_frozen_engine(model, cfg)[0]
 
-    def gen(engine, gather_whole: bool) -> list[list[int]]:
+    def gen(engine, gathering: int, logprobs: bool = False):
         # min = max new tokens: exactly NEW_TOKENS forward passes, whatever the random model emits.
-        return generate(engine, batch, tokenizer, NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                        gather_whole=gather_whole).tolist()
+        out = generate(engine, batch, tokenizer, NEW_TOKENS, min_new_tokens=NEW_TOKENS, gathering=gathering,
+                       with_logprobs=logprobs)
+        return [x.tolist() for x in out] if logprobs else out.tolist()
 
     def lm_batch(engine, response: list[list[int]]) -> dict:
         seq = torch.cat([batch["input_ids"], torch.tensor(response)], 1).to(engine.device)
@@ -88,7 +91,7 @@ def main(zero3_yaml: str, zero0_yaml: str, out_dir: str) -> None:
         count_releases(engine3.module, counts)
         seen = {"persistent": sorted(n for n, p in engine3.module.named_parameters() if p.ds_persist),
                 "params": [n for n, _ in engine3.module.named_parameters()]}
-        for label, gather_whole in (("gather", True), ("layerwise", False), ("gather_again", True)):
+        for label, gathering in (("gather", 1), ("layerwise", 0), ("gather_again", 1), ("tp", 2)):
             if label == "layerwise":  # a generate that raises must still hand the hooks back
                 offload = _zero3_offload(engine3)
                 hooks = len(offload.forward_hooks), len(offload.backward_hooks)
@@ -99,9 +102,10 @@ def main(zero3_yaml: str, zero0_yaml: str, out_dir: str) -> None:
                     pass
                 seen["hooks_before_after_error"] = [hooks, [len(offload.forward_hooks), len(offload.backward_hooks)]]
             counts.clear()
-            seen[f"tokens_{label}"] = gen(engine3, gather_whole)
+            seen[f"tokens_{label}"] = gen(engine3, gathering)
             seen[f"releases_{label}"] = dict(counts)
-        seen["tokens_zero0"] = gen(engine0, True)
+        seen["tokens_zero0"], seen["logprobs_zero0"] = gen(engine0, 1, logprobs=True)
+        seen["logprobs_tp"] = gen(engine3, 2, logprobs=True)[1]
         # Straight after a gathered generate: ZeRO-3's hooks must be back for training and forward.
         data = lm_batch(engine3, seen["tokens_gather"])
         losses = {}
@@ -120,8 +124,18 @@ def main(zero3_yaml: str, zero0_yaml: str, out_dir: str) -> None:
         seen["losses"] = losses
         result[kind] = seen
         dist.barrier()
+    # A LoRA actor after one update (its B matrices no longer zero): slices with the adapters merged
+    # against the whole model gathered, whose PEFT layers add them at run time.
+    engine = build(cfg_lora, True)
+    data = lm_batch(engine, result["trainable"]["tokens_gather"])
+    engine.backward(engine(**data).loss)
+    engine.step()
+    b = [p for n, p in engine.module.named_parameters() if "lora_B" in n]
+    with deepspeed.zero.GatheredParameters(b):
+        b_norm = sum(p.float().norm().item() for p in b)
+    result["lora"] = {"b_norm": b_norm, "whole": gen(engine, 1, logprobs=True), "tp": gen(engine, 2, logprobs=True)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -302,14 +302,21 @@ class PPOStepConfig(StepConfig):
     # against a learned reward model can lose accuracy late while its reward still rises.
     keep_best: bool = True
     # ZeRO-3 generation: gathering the whole actor once per generate call is far faster than ZeRO-3's
-    # layer-by-layer gathers (repeated for every token), but needs the full actor on each device.
-    # auto: gather when the memory pre-flight says it fits (rlhf.memory.generation_gathers_whole_model),
-    # else layerwise; gather; layerwise.
+    # layer-by-layer gathers (repeated for every token), but needs the full actor on each device; tp
+    # gathers it into tensor-parallel slices over groups of step.generation_tp_size ranks, which decode
+    # their prompts together (DeepSpeed-Chat's hybrid engine with --inference_tp_size; rlhf/shards.py).
+    # auto: gather when the memory pre-flight says it fits, else tp where the model splits and it fits,
+    # else layerwise (rlhf.memory.generation_gathering); gather; tp; layerwise.
     zero3_generation: str = "auto"
+    # Ranks per tensor-parallel generation group under zero3_generation tp (or auto choosing it):
+    # consecutive ranks, so a node's devices when it divides them; 0: hardware.devices_per_node.
+    generation_tp_size: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "layerwise"))
+        _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "tp", "layerwise"))
+        if self.generation_tp_size < 0:
+            raise ConfigError(f"step.generation_tp_size={self.generation_tp_size} must be >= 0 (0: the node's devices)")
         _choice("step.old_logprobs", self.old_logprobs, ("rollout", "recompute"))
         _choice("step.truncated_answers", self.truncated_answers, ("keep", "penalty", "mask"))
         for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",

@@ -119,7 +119,7 @@ def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
     model_path, tokenizer, train_ds, eval_ds, collate, rule, accuracy_prompts = preference_data(cfg)
-    gather_whole = memory.generation_gathers_whole_model(cfg)
+    gathering = memory.generation_gathering(cfg)
 
     dtype = engine_factory.model_dtype(cfg)
     with engine_factory.loading_context(cfg):
@@ -150,7 +150,7 @@ def run(cfg: Config) -> dict:
         metrics = evaluate(engine, ref, evaluation, step_cfg)
         if accuracy_prompts:
             metrics.update(rollout.evaluate(engine, None, rule, accuracy_prompts, tokenizer, step_cfg.max_new_tokens,
-                                            step_cfg.eval_micro_batch_size_per_device, gather_whole))
+                                            step_cfg.eval_micro_batch_size_per_device, gathering))
         logger.log({**metrics, "epoch": epoch}, step=step)
         if rank == 0:
             common.say(f"[dpo] step {step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))

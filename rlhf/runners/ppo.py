@@ -87,7 +87,7 @@ def sequence_scores(reward, rule_fn, seq, attn, prompts, answers, step_cfg, chun
 
 @torch.no_grad()
 def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_cfg, kl_ctl, moments,
-                    gather_whole: bool = False) -> Experience:
+                    gathering: int = 0) -> Experience:
     """Generate the step's rollouts, score them (log-probs, reference, critic, reward) and turn the
     scores into advantages with step.advantage_estimator (rlhf.losses.ESTIMATORS)."""
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     from_rollout = step_cfg.old_logprobs == "rollout"
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
                        step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
-                       step_cfg.top_k, step_cfg.min_new_tokens, gather_whole, with_logprobs=from_rollout,
+                       step_cfg.top_k, step_cfg.min_new_tokens, gathering, with_logprobs=from_rollout,
                        static=step_cfg.decode_graph)
               for i in range(0, batch["input_ids"].shape[0], chunk)]
     tokens = [p[0] if from_rollout else p for p in pieces]
@@ -246,7 +246,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
 
 
 @torch.no_grad()
-def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool) -> tuple[dict[str, float], list]:
+def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gathering: int) -> tuple[dict[str, float], list]:
     """The reward model judged on the policy's own answers before any update:
     readiness.POLICY_CHECK_SAMPLES answers per select prompt, sampled as the rollouts are, scored by
     the reward model and by the rule (sequence_scores);
@@ -265,7 +265,7 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gather_whole: bool
     sampled = sampled_answers(roles.actor, mine, roles.tokenizer, chunk, cfg.seed + rank,
                               max_new_tokens=step_cfg.max_new_tokens, do_sample=step_cfg.do_sample,
                               temperature=step_cfg.temperature, top_p=step_cfg.top_p, top_k=step_cfg.top_k,
-                              min_new_tokens=step_cfg.min_new_tokens, gather_whole=gather_whole,
+                              min_new_tokens=step_cfg.min_new_tokens, gathering=gathering,
                               static=step_cfg.decode_graph)
     for batch, response, rmask, answers in sampled:
         seq = torch.cat([batch["input_ids"].to(device), response], 1)
@@ -503,7 +503,7 @@ class Judge:
     roles: Roles
     prompts: Prompts
     logger: object
-    gather_whole: bool
+    gathering: int
     best: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, select accuracy) of this process
@@ -517,7 +517,7 @@ class Judge:
         samples: list[dict] = []
         greedy = functools.partial(evaluate, roles.actor, roles.reward, roles.eval_rule, tokenizer=roles.tokenizer,
                                    max_new_tokens=step_cfg.max_new_tokens,
-                                   batch_size=step_cfg.eval_micro_batch_size_per_device, gather_whole=self.gather_whole)
+                                   batch_size=step_cfg.eval_micro_batch_size_per_device, gathering=self.gathering)
         chosen = greedy(prompts=self.prompts.select, samples=samples)
         metrics = as_select(chosen)
         better = "eval/accuracy" in chosen and (not self.best or
@@ -549,11 +549,11 @@ class Judge:
         return self.cfg.step.keep_best and self.roles.eval_rule is not None and self.cfg.step.save_model
 
 
-def start_check(cfg: Config, roles: Roles, prompts: Prompts, judge: Judge, gather_whole: bool) -> dict[str, float]:
+def start_check(cfg: Config, roles: Roles, prompts: Prompts, judge: Judge, gathering: int) -> dict[str, float]:
     """policy_check's figures, logged at step 0 with every scored answer in policy_check.jsonl; in a
     chain whose reward model misjudges the policy (rlhf.readiness.reward_misjudges_policy) PPO stops
     here (pipeline.on_weak_step=stop) or carries the warning."""
-    figures, scored = policy_check(roles, prompts, cfg, gather_whole)
+    figures, scored = policy_check(roles, prompts, cfg, gathering)
     if not figures:
         return {}
     run_dir, rank = Path(cfg.run_dir), dist.get_rank()
@@ -575,13 +575,13 @@ def start_check(cfg: Config, roles: Roles, prompts: Prompts, judge: Judge, gathe
 
 
 def train_step(roles: Roles, prompts: Prompts, batch: dict, cfg: Config, kl_ctl, moments, generator,
-               gather_whole: bool, epoch: int) -> dict[str, float]:
+               gathering: int, epoch: int) -> dict[str, float]:
     """One PPO step: rollouts and their scores, the updates, and the step's figures (rollout
     statistics over all ranks, losses, phase times, throughput); the KL controller moves after it."""
     step_cfg, world = cfg.step, dist.get_world_size()
     t0 = time.perf_counter()
     exp = make_experience(roles.actor, roles.ref, roles.critic, roles.reward, roles.rule_fn, batch, roles.tokenizer,
-                          step_cfg, kl_ctl, moments, gather_whole)
+                          step_cfg, kl_ctl, moments, gathering)
     t1 = time.perf_counter()
     train = ppo_update(roles.actor, roles.critic, exp, step_cfg, kl_ctl.value, generator, prompts.ptx)
     t2 = time.perf_counter()
@@ -610,7 +610,7 @@ def run(cfg: Config) -> dict:
     roles = build_roles(cfg, tokenizer, tuple(paths), prompts.report_half, prompts.steps * ppo_updates_per_step(cfg))
     actor, ref, critic = roles.actor, roles.ref, roles.critic
     ema = _ema_init(actor, step_cfg.ema_decay, cfg.lora.rank)
-    gather_whole = memory.generation_gathers_whole_model(cfg)  # the pre-flight's choice, for ZeRO-3 generation
+    gathering = memory.generation_gathering(cfg)  # the pre-flight's choice, for ZeRO-3 generation
     kl_ctl = losses.AdaptiveKLController(step_cfg.kl_coef, step_cfg.kl_target, step_cfg.kl_horizon)
     moments, generator = losses.RunningMoments(), torch.Generator().manual_seed(cfg.seed)
     if rank == 0:
@@ -625,7 +625,7 @@ def run(cfg: Config) -> dict:
                         cfg.checkpoint.keep_last)
     resumed = ckpt.load() if cfg.resume == "auto" else None
     logger = open_logger(cfg, rank, fresh=resumed is None)
-    judge = Judge(cfg, roles, prompts, logger, gather_whole)
+    judge = Judge(cfg, roles, prompts, logger, gathering)
     stop = StopRequest()
 
     # -------------------------------------------------------------------------------- loop
@@ -643,7 +643,7 @@ def run(cfg: Config) -> dict:
             say(f"[ppo] resumed at PPO step {step} (epoch {start_epoch}, prompt batch {skip})")
     else:
         fingerprints = {"actor": param_fingerprint(actor), "reference": param_fingerprint(ref)}
-        check = start_check(cfg, roles, prompts, judge, gather_whole)
+        check = start_check(cfg, roles, prompts, judge, gathering)
         first = last = {**judge.evaluate(0, True, prompts.steps), **check}
         step, start_epoch, skip, last_eval_step = 0, 0, 0, 0
 
@@ -657,7 +657,7 @@ def run(cfg: Config) -> dict:
     bar = tqdm(total=prompts.steps, initial=step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(start_epoch, step_cfg.epochs):
         for index, batch in _prompt_batches(prompts, epoch, start_epoch, skip, resumed):
-            metrics = train_step(roles, prompts, batch, cfg, kl_ctl, moments, generator, gather_whole, epoch)
+            metrics = train_step(roles, prompts, batch, cfg, kl_ctl, moments, generator, gathering, epoch)
             _ema_update(ema, actor, step_cfg.ema_decay)
             step, last_kl = step + 1, metrics["kl"]
             total_loss = metrics["policy_loss"] + metrics.get("value_loss", 0.0) + metrics.get("kl_loss", 0.0)

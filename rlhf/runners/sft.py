@@ -90,11 +90,11 @@ def run(cfg: Config) -> dict:
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
               "(step.epochs / step.max_steps)")
 
-    gather_whole = memory.generation_gathers_whole_model(cfg)  # decided once, as the pre-flight did
+    gathering = memory.generation_gathering(cfg)  # decided once, as the pre-flight did
 
     def greedy(prompts: list[dict]) -> dict[str, float]:
         return rollout.evaluate(engine, None, rule, prompts, tokenizer, step_cfg.max_new_tokens,
-                                step_cfg.eval_micro_batch_size_per_device, gather_whole) if prompts else {}
+                                step_cfg.eval_micro_batch_size_per_device, gathering) if prompts else {}
 
     def evaluate(reported: bool) -> dict[str, float]:
         """Held-out loss, the select half's accuracy, and with ``reported`` the report half's."""

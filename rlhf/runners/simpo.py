@@ -52,7 +52,7 @@ def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
     model_path, tokenizer, train_ds, eval_ds, collate, rule, accuracy_prompts = preference_data(cfg)
-    gather_whole = memory.generation_gathers_whole_model(cfg)
+    gathering = memory.generation_gathering(cfg)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
     evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
@@ -70,7 +70,7 @@ def run(cfg: Config) -> dict:
         metrics = evaluate(engine, evaluation, step_cfg)
         if accuracy_prompts:
             metrics.update(rollout.evaluate(engine, None, rule, accuracy_prompts, tokenizer, step_cfg.max_new_tokens,
-                                            step_cfg.eval_micro_batch_size_per_device, gather_whole))
+                                            step_cfg.eval_micro_batch_size_per_device, gathering))
         state.last, state.last_eval_step = metrics, state.step
         logger.log({**metrics, "epoch": epoch}, step=state.step)
         if rank == 0:
