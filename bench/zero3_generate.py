@@ -2,14 +2,14 @@
 
 Runs the real PPO runner (bench/ppo_step.py's setting: a random OPT h256 x 4 layers, 4 prompts per
 rank of 64 tokens, 64 sampled tokens, eos suppressed, bf16) through the DeepSpeed launcher on 2 CPU
-ranks, once at ZeRO-0 and once at ZeRO-3, and prints one JSON line per stage with the per-phase
-medians, alternating the stages over --rounds launches, then the ratio of ZeRO-3's median generation
-time to ZeRO-0's (the issue's target: <= 1.2).
-Under ZeRO-3 the actor is gathered whole for the rollout when the memory pre-flight says it fits
-(``rlhf.memory.generation_gathering``), as it does for this model.
+ranks, at ZeRO-0 and at ZeRO-3 in each way of generating (``step.zero3_generation``: the actor
+gathered whole, in tensor-parallel slices over both ranks, layer by layer), and prints one JSON line
+per launch with the per-phase medians, alternating the settings over --rounds launches, then each
+ZeRO-3 way's median generation time over ZeRO-0's (target for gather, the pre-flight's choice for
+this model: <= 1.2).
 
     python bench/zero3_generate.py
-    python bench/zero3_generate.py --steps 10 --rounds 5
+    python bench/zero3_generate.py --steps 10 --rounds 5 --ways gather tp
 """
 
 from __future__ import annotations
@@ -36,24 +36,28 @@ def free_port() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="measured steps per stage (after 2 warm-up steps)")
-    ap.add_argument("--rounds", type=int, default=3, help="launches per stage, alternating ZeRO-0 and ZeRO-3")
+    ap.add_argument("--rounds", type=int, default=3, help="launches per setting, alternating them")
+    ap.add_argument("--ways", nargs="+", default=["gather"], choices=["gather", "tp", "layerwise"],
+                    help="ZeRO-3 ways of generating to measure against ZeRO-0")
     args = ap.parse_args()
     from rlhf.launch_step import cpu_bf16
 
     # Two ranks on a 2-core machine drift by 20-30% between launches (seen: ZeRO-0 generation at
-    # 0.30 s in one launch and 0.45 s in the next, same code): the stages alternate over rounds and
-    # the ratio is that of the medians over rounds, so that a slow spell does not land on one stage.
-    gen = {0: [], 3: []}
+    # 0.30 s in one launch and 0.45 s in the next, same code): the settings alternate over rounds and
+    # the ratio is that of the medians over rounds, so that a slow spell does not land on one setting.
+    settings = {"zero0": ["zero=0"], **{f"zero3 {way}": ["zero=3", f"step.zero3_generation={way}"] for way in args.ways}}
+    gen = {name: [] for name in settings}
     for round_ in range(args.rounds):
-        for stage in (0, 3):
+        for name, overrides in settings.items():
             med, _, _ = runner_step_times(MODEL, args.steps, overrides=[
-                "hardware=cpu-2rank", f"zero={stage}", f"launch.master_port={free_port()}"])
-            gen[stage].append(med["generate_s"])
-            print(json.dumps({"round": round_, "zero": stage, "ranks": 2, **{k: round(v, 4) for k, v in med.items()}}),
+                "hardware=cpu-2rank", *overrides, f"launch.master_port={free_port()}"])
+            gen[name].append(med["generate_s"])
+            print(json.dumps({"round": round_, "setting": name, "ranks": 2, **{k: round(v, 4) for k, v in med.items()}}),
                   flush=True)
-    median = {stage: statistics.median(times) for stage, times in gen.items()}
-    print(json.dumps({"zero3_over_zero0_generate": round(median[3] / median[0], 3), "target": 1.2,
-                      "rounds": args.rounds, "cpu_bf16": cpu_bf16()}))
+    median = {name: statistics.median(times) for name, times in gen.items()}
+    print(json.dumps({**{f"{name} over zero0 generate": round(median[name] / median["zero0"], 3)
+                         for name in settings if name != "zero0"},
+                      "target_gather": 1.2, "rounds": args.rounds, "cpu_bf16": cpu_bf16()}))
 
 
 if __name__ == "__main__":

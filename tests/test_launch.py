@@ -141,7 +141,9 @@ def test_two_cpu_ranks_zero3_draw_the_reward_model_s_pairs_from_the_policy_toget
 def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedule_whole(tmp_path):
     """2 CPU ranks, ZeRO-3, accumulation 2, gradient checkpointing, an adaptive KL coefficient: both
     ranks hold the same coefficient (it is updated from the KL of the global batch), and the linear
-    schedule spans all optimizer steps (3 PPO steps x 2 optimizer steps), not half of them."""
+    schedule spans all optimizer steps (3 PPO steps x 2 optimizer steps), not half of them. The
+    actor generates in tensor-parallel slices over both ranks (rlhf/shards.py): the log-probs its
+    rollouts carry are the training forward's."""
     import torch
 
     quiet = ["logging.progress_bar=false", "data.max_eval_samples=32"]
@@ -150,7 +152,7 @@ def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedu
     proc = _launch("step=ppo", "hardware=cpu-2rank", "zero=3", "step.max_steps=3", "step.log_every_steps=1",
                    "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=4",
                    # Generation and the scoring forwards in chunks of 8: as many gathers on both ranks.
-                   "step.generation_batch_size_per_device=8",
+                   "step.generation_batch_size_per_device=8", "step.zero3_generation=tp",
                    "step.gradient_accumulation_steps=2", "step.gradient_checkpointing=true",
                    "step.reward_fn=rule", "step.reward_model_weight=0", "step.kl_target=0.001", "step.kl_horizon=64",
                    "step.eval_prompts=8", "step.eval_micro_batch_size_per_device=8", f"optim.lr={lr}",
@@ -161,6 +163,8 @@ def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedu
     final = json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())
     assert final["step"] == 3 and final["reference_weight_change"] == 0.0 and final["actor_weight_change"] > 0
     rows = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl") if "policy_loss" in line]
+    # fp32: the sampled tokens' log-probs from the slices equal the training forward's before an update.
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in rows), [r["rollout/logprob_diff"] for r in rows]
     # 16 rollouts / (4 micro x 2 accumulation) = 2 optimizer steps per PPO step, 6 in all: linear decay
     # to 0 over 6 steps (the bug decayed over 3, reaching 0 after the second PPO step).
     assert [r["lr"] for r in rows] == pytest.approx([lr * (1 - 2 * s / 6) for s in (1, 2, 3)], rel=2e-3, abs=1e-9)
