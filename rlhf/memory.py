@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, step_roles
+from rlhf.errors import ConfigError
 
 GIB = 2**30
 # Headroom for the CUDA context, allocator fragmentation and communication buffers.
@@ -146,13 +147,15 @@ def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -
     """
     if cfg.zero.stage != 3 or generating_role(cfg) is None:
         return 0
-    mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
-    t = generation_tp_size(cfg)
-    if mode != "auto":
-        return {"gather": 1, "tp": t, "layerwise": 0}[mode]
     from rlhf.shards import unsupported
 
-    m = cfg.model
+    mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
+    t, m = generation_tp_size(cfg), cfg.model
+    if mode == "tp" and (why := unsupported(m.family, m.num_heads, m.ffn_size, t) or (
+            f"{t} ranks per group do not divide the {cfg.world_size} ranks" if cfg.world_size % t else None)):
+        raise ConfigError(f"step.zero3_generation=tp with step.generation_tp_size={t}: {why}")
+    if mode != "auto":
+        return {"gather": 1, "tp": t, "layerwise": 0}[mode]
     ways = [1] + ([t] if t > 1 and not unsupported(m.family, m.num_heads, m.ffn_size, t) else [])
     budget = cfg.hardware.memory_per_device_gb
     return next((way for way in ways if verdict(estimate(cfg, critic_model, gathering=way), budget)[0]), 0)

@@ -86,6 +86,12 @@ def test_bad_mode_is_named():
         to_schema(compose([*TINY, "step.zero3_generation=all"]))
     with pytest.raises(ConfigError, match="step.generation_tp_size=-2 must be >= 0"):
         to_schema(compose([*TINY, "step.generation_tp_size=-2"]))
+    # Slices that cannot be made are refused by the pre-flight, before any model loads.
+    for extra, why in ((["step.generation_tp_size=3"], "its 4 attention heads do not split over 3 ranks"),
+                       (["step.generation_tp_size=4"], "4 ranks per group do not divide the 2 ranks")):
+        cfg = to_schema(compose([*TINY, "zero=3", "step.zero3_generation=tp", *extra]))
+        with pytest.raises(ConfigError, match=f"step.zero3_generation=tp with .*: {why}"):
+            memory.generation_gathering(cfg)
 
 
 @pytest.fixture(scope="module")
