@@ -333,7 +333,7 @@ def test_an_sft_no_better_than_one_constant_answer_is_refused(tmp_path):
     from rlhf.readiness import weak_step
 
     (tmp_path / "sft").mkdir()
-    OmegaConf.save({"step": {"eval_accuracy_prompts": 256}}, tmp_path / "sft" / "config.yaml")
+    OmegaConf.save({"step": {"eval_accuracy_prompts": 256}, "optim": {"lr": 3e-3}}, tmp_path / "sft" / "config.yaml")
     pipe = OmegaConf.create({"reward_min_accuracy": 0, "min_policy_accuracy": 0, "sft_loss_still_falling": 0,
                              "sft_beyond_constant": True})
 
@@ -342,8 +342,11 @@ def test_an_sft_no_better_than_one_constant_answer_is_refused(tmp_path):
         (tmp_path / "sft" / "final_metrics.json").write_text(json.dumps(final))
         return weak_step(pipe, "reward", OmegaConf.create({}), tmp_path, ["sft", "reward", "ppo"])
 
-    assert why(0.456, 0.411).startswith("SFT's held-out accuracy 45.6% is within the noise (8.7% over 256 prompts) "
-                                        "of always giving the best single answer (41.1%)")
+    line = why(0.456, 0.411)
+    assert line.startswith("SFT's held-out accuracy 45.6% is within the noise (8.7% over 256 prompts) "
+                           "of always giving the best single answer (41.1%)")
+    # The fix that worked on the count task: a third of the learning rate, no loss-plateau stop.
+    assert "(pipeline.sft.optim.lr=0.001 pipeline.sft.step.early_stop_patience=0)" in line, line
     assert why(0.52, 0.411) is None, "11 points over the constant is beyond the noise of 256 prompts"
     assert why(0.02, 0.004) is None, "no answer is often right (sort): min_policy_accuracy's case, not this one"
     pipe.sft_beyond_constant = False
