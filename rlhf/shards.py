@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 
-import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -106,6 +105,8 @@ def tensor_parallel_copy(model: nn.Module, t: int):
 
 @torch.no_grad()
 def _build(model: nn.Module, t: int):
+    import deepspeed  # here, not at the top: the pre-flight reads unsupported() without loading DeepSpeed
+
     base = model.module if hasattr(model, "module") else model
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     name = type(base).__name__
