@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
-from rlhf.memory import generation_gathering, param_counts, table_bytes
+from rlhf.memory import bytes_per_param, generation_gathering, param_counts, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
 # own SFT of a 1.3B model on one H200 ran at 29-33% with 16 rows of 512 tokens (two runs), 47% with 64
@@ -133,10 +133,6 @@ def train_flops(m: ModelConfig, tokens: float, seq: float, lm_head: bool, checkp
 
 
 # ---------------------------------------------------------------------------- collectives
-def bytes_per_param(precision: str) -> int:
-    return 2 if precision in ("fp16", "bf16") else 4
-
-
 def collective_s(size_bytes: float, world: int, rates: Rates) -> float:
     """An all-gather or reduce-scatter of a ``size_bytes`` tensor: each device sends and receives
     (world - 1) / world of it over its slowest link (ring algorithms)."""

@@ -104,8 +104,13 @@ def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, 
     return scale * layers + logits
 
 
+def bytes_per_param(precision: str) -> int:
+    """Bytes of one weight at the training precision (16-bit or fp32)."""
+    return 2 if precision in ("fp16", "bf16") else 4
+
+
 def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> float:
-    return 2 * m.num_layers * batch * length * m.hidden_size * (2 if precision in ("fp16", "bf16") else 4)
+    return 2 * m.num_layers * batch * length * m.hidden_size * bytes_per_param(precision)
 
 
 def generating_role(cfg: Config) -> str | None:
@@ -127,7 +132,7 @@ def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
 def table_bytes(m: ModelConfig, precision: str) -> float:
     """The embedding and the language-model head (one table where tied, as OPT's): what a
     tensor-parallel slice of the model (rlhf.shards) holds whole on every rank."""
-    return (2 if precision in ("fp16", "bf16") else 4) * m.vocab_size * m.hidden_size * (1 if m.family == "opt" else 2)
+    return bytes_per_param(precision) * m.vocab_size * m.hidden_size * (1 if m.family == "opt" else 2)
 
 
 def generation_tp_size(cfg: Config) -> int:
@@ -186,8 +191,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
                 # The gathered copy (whole, or this rank's tensor-parallel slice: 1/t of the layers'
                 # weights, the embedding and head whole; OPT ties them) takes the place of the
                 # one-layer working set; the shard stays beside it unless it lives in host memory.
-                width = 2 if precision in ("fp16", "bf16") else 4
-                full = width * (total + lora_params)
+                full = bytes_per_param(precision) * (total + lora_params)
                 tables = table_bytes(m, precision)
                 held = full if way == 1 else (full - tables) / way + tables
                 r.weights = held if offload_par else full / world + held
@@ -199,7 +203,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
 
     def frozen_role(name: str, m: ModelConfig, offload: bool) -> RoleMemory:
         total, largest, _ = param_counts(m)
-        w_bytes = 2 if precision in ("fp16", "bf16") else 4
+        w_bytes = bytes_per_param(precision)
         r = RoleMemory(name, total, False)
         if offload:
             r.weights, r.notes = 4 * largest, ["parameters in host memory"]
