@@ -187,7 +187,9 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tempe
     picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         lp = logp if entropy_grad else logp.detach()
-        entropy = -(lp.exp() * lp).sum(-1)
+        # A token at -inf (forbid_early_eos's eos) has p = 0 and adds 0; p * log p there is 0 * -inf = NaN,
+        # in the value and in the gradient, so its log-prob is replaced by 0 before the product.
+        entropy = -(lp.exp() * torch.where(torch.isneginf(lp), 0.0, lp)).sum(-1)
     return picked, entropy
 
 

@@ -213,6 +213,23 @@ def test_logprobs_and_entropy_share_one_log_softmax_and_the_entropy_has_a_graph_
     assert logits.grad[0, 0, 1] > 0 > logits.grad[0, 0, 0]
 
 
+def test_entropy_and_its_gradient_are_finite_where_early_eos_is_forbidden():
+    # Position 0 forbids eos (id 2, step.min_new_tokens=1): the distribution is softmax(0, log 3) over the
+    # other two ids, entropy H(1/4, 3/4); position 1 is uniform over three ids, entropy log 3.
+    logits = t([[[0.0, math.log(3.0), 5.0], [0.0, 0.0, 0.0]]]).requires_grad_()
+    masked = losses.forbid_early_eos(logits, eos_id=2, min_new_tokens=1)
+    logp, entropy = losses.token_logprobs_and_entropy(masked, t([[1, 2]], torch.long), entropy_grad=True)
+    assert logp[0].tolist() == pytest.approx([math.log(0.75), math.log(1 / 3)], abs=1e-6)
+    assert entropy[0].tolist() == pytest.approx([-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), math.log(3)],
+                                                abs=1e-6)
+    (-entropy.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 0, 2] == 0  # the forbidden logit has no say in the distribution
+    assert logits.grad[0, 0, 1] > 0 > logits.grad[0, 0, 0]  # more entropy: the larger logit down
+    _, measured = losses.token_logprobs_and_entropy(masked.detach(), t([[1, 2]], torch.long))
+    assert torch.isfinite(measured).all()  # the logged entropy (entropy_coef=0) too
+
+
 def test_whiten_group_advantages_and_masked_mean():
     assert torch.allclose(losses.masked_whiten(t([1.0, 2.0, 3.0, 100.0]), t([1, 1, 1, 0])),
                           t([-1.224745, 0.0, 1.224745, 0.0]), atol=1e-5)
