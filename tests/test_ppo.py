@@ -526,3 +526,23 @@ def test_the_best_evaluated_actor_becomes_the_output_and_the_last_is_kept_beside
     shutil.rmtree(tmp_path / "model_last")
     _keep_best(tmp_path, {"step": 0, "metrics": {"eval/accuracy": 0.4}}, 375, last, {}, warnings, "org/hub-id")
     assert (tmp_path / "model" / "tag").read_text() == "start" and "the output is the last actor" in warnings[-1]
+
+
+def test_a_nonfinite_entropy_bonus_stops_ppo_with_a_marked_checkpoint(tmp_path, monkeypatch):
+    """The stop reads every term that reaches backward: an entropy bonus made NaN stops the run at its
+    first PPO step, the state saved and marked. One update per step, so the policy loss (of the
+    weights before it) stays finite and only the bonus is not."""
+    from rlhf import losses
+
+    real = losses.token_logprobs_and_entropy
+
+    def nan_entropy(*args, **kwargs):
+        logp, entropy = real(*args, **kwargs)
+        return logp, entropy * float("nan")
+
+    monkeypatch.setattr(losses, "token_logprobs_and_entropy", nan_entropy)
+    with pytest.raises(FloatingPointError, match=r"PPO loss is nan at PPO step 1"):
+        run(compose([*PPO_FAST, "step.reward_fn=rule", "step.reward_model_weight=0", "step.eval_prompts=0",
+                     "step.advantage_estimator=reinforce_pp", "step.entropy_coef=0.01", "step.max_steps=1",
+                     "step.micro_batch_size_per_device=16", f"run_dir={tmp_path}"]))
+    assert (tmp_path / "checkpoints" / "nonfinite_step_00000001").is_dir()

@@ -181,13 +181,14 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     bonus) is aggregated by step.loss_agg (rlhf.losses.LOSS_AGGS) over the whole optimizer step:
     every micro-batch divides by the step's count over all its micro-batches and ranks, and is
     scaled by accumulation x ranks because DeepSpeed divides each micro-batch's loss by the
-    accumulation and averages gradients over ranks. The value loss is a mean over the step's tokens."""
+    accumulation and averages gradients over ranks. The value loss is a mean over the step's tokens;
+    ``loss`` is the sum of every term that reached backward, actor's and critic's."""
     n = exp.seq.shape[0]
     micro, accumulation = step_cfg.micro_batch_size_per_device, step_cfg.gradient_accumulation_steps
     scale = accumulation * world_size()
     agg, budget = step_cfg.loss_agg, step_cfg.max_new_tokens
     token_col = 0 if losses.LOSS_AGGS[agg].unit == "token" else 1  # the column of step_counts agg divides by
-    sums = dict.fromkeys(("policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
+    sums = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
     count = steps = 0
     start = exp.start
     for epoch in range(step_cfg.ppo_epochs):
@@ -216,6 +217,9 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
                 ptx_loss = actor(**{k: v.to(actor.device) for k, v in ptx.items()}).loss
                 loss = loss + step_cfg.ptx_coef * ptx_loss
                 sums["ptx_loss"] += ptx_loss.item() / accumulation
+            # Every term that reaches backward, on the scale of the other logged losses: the non-finite
+            # stop reads this sum, so no term (entropy bonus, ptx) can poison the weights unseen.
+            sums["loss"] += loss.item() / accumulation
             if epoch == 0 and i == 0:  # how far the sampler's log-probs are from a training forward's
                 sums["logprob_diff"] = losses.masked_mean((logprobs.detach() - exp.old_logprobs[idx]).abs(), mask).item()
             actor.backward(loss)
@@ -229,6 +233,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
                 critic.backward(scale * step_cfg.vf_coef * v_loss)
                 critic.step()
                 sums["value_loss"] += world_size() * v_loss.item()
+                sums["loss"] += world_size() * step_cfg.vf_coef * v_loss.item()
 
             # Logged per optimizer step: this rank's share x ranks, the step's loss where ranks agree.
             sums["policy_loss"] += world_size() * losses.aggregate(pg_tokens.detach(), mask, agg, denom, budget).item()
@@ -660,8 +665,7 @@ def run(cfg: Config) -> dict:
             metrics = train_step(roles, prompts, batch, cfg, kl_ctl, moments, generator, gathering, epoch)
             _ema_update(ema, actor, step_cfg.ema_decay)
             step, last_kl = step + 1, metrics["kl"]
-            total_loss = metrics["policy_loss"] + metrics.get("value_loss", 0.0) + metrics.get("kl_loss", 0.0)
-            ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", total_loss, unit="PPO step")
+            ckpt.stop_if_nonfinite(step, state(epoch, index + 1), "PPO loss", metrics["loss"], unit="PPO step")
             logger.log(metrics, step=step)
             bar.update(1)
             bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
