@@ -546,3 +546,17 @@ def test_a_nonfinite_entropy_bonus_stops_ppo_with_a_marked_checkpoint(tmp_path, 
                      "step.advantage_estimator=reinforce_pp", "step.entropy_coef=0.01", "step.max_steps=1",
                      "step.micro_batch_size_per_device=16", f"run_dir={tmp_path}"]))
     assert (tmp_path / "checkpoints" / "nonfinite_step_00000001").is_dir()
+
+
+def test_old_logprobs_are_recomputed_in_16_bit_and_the_run_says_which_it_used(tmp_path):
+    def old(*o):
+        return to_schema(compose(["step=ppo", *o])).step.old_logprobs
+
+    # 16 bits: the decode's cached forwards round apart from the full forwards of the new and reference.
+    assert old("hardware.precision=bf16") == "recompute"
+    assert old() == "rollout"  # fp32: the two kinds of forward agree to rounding
+    assert old("hardware.precision=bf16", "step.old_logprobs=rollout") == "rollout"  # the user's choice wins
+    final = run(compose([*PPO_FAST, "step.reward_fn=rule", "step.reward_model_weight=0", "step.eval_prompts=0",
+                         "step.advantage_estimator=reinforce_pp", "step.max_steps=1", "step.save_model=false",
+                         f"run_dir={tmp_path}"]))
+    assert final["old_logprobs"] == "rollout"

@@ -182,6 +182,10 @@ class Config:
         if self.model.random_init and self.step.max_seq_len > self.model.max_positions:
             raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
                               f"{self.model.max_positions}")
+        if self.step.name == "ppo" and self.step.old_logprobs == "auto":
+            # Derived from the precision: in 16 bits the decode's cached forwards and the full forwards that
+            # score the new and reference log-probs round apart, so the old ones must come from a full one too.
+            self.step.old_logprobs = "rollout" if self.hardware.precision == "fp32" else "recompute"
         if self.step.name == "ppo" and self.model.random_init and \
                 self.step.max_prompt_len + self.step.max_new_tokens > self.model.max_positions:
             raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = "

@@ -224,11 +224,13 @@ class PPOStepConfig(StepConfig):
     do_sample: bool = True
     # Sampling temperature; log-probs are computed on logits / temperature to match the sampler.
     temperature: float = 0.7
-    # Where PPO's old log-probs (the ratio's denominator) come from: rollout, the logits that sampled
-    # each token; recompute, a forward of the actor over the finished sequences (DeepSpeed-Chat's way:
-    # one more forward per step; equal up to rounding, which differs in bf16/fp16 between the
-    # cached one-token forwards and the full one).
-    old_logprobs: str = "rollout"
+    # Where PPO's old log-probs (the ratio's denominator and the KL's policy term) come from: rollout,
+    # the logits that sampled each token (the cached one-token decode forwards); recompute, a forward of
+    # the actor over the finished sequences, the kind of forward the new and reference log-probs come
+    # from (DeepSpeed-Chat's, TRL's, OpenRLHF's and veRL's way: one more forward per step); auto:
+    # recompute in bf16/fp16, where the two kinds of forward round differently and the ratio would start
+    # away from 1, rollout in fp32, where they agree to rounding. The run's choice is in its final figures.
+    old_logprobs: str = "auto"
     # Nucleus sampling mass; 1.0 is off. PPO refuses other values when sampling (see __post_init__).
     top_p: float = 1.0
     # Top-k sampling; 0 is off. PPO refuses other values when sampling (see __post_init__).
@@ -317,7 +319,7 @@ class PPOStepConfig(StepConfig):
         _choice("step.zero3_generation", self.zero3_generation, ("auto", "gather", "tp", "layerwise"))
         if self.generation_tp_size < 0:
             raise ConfigError(f"step.generation_tp_size={self.generation_tp_size} must be >= 0 (0: the node's devices)")
-        _choice("step.old_logprobs", self.old_logprobs, ("rollout", "recompute"))
+        _choice("step.old_logprobs", self.old_logprobs, ("auto", "rollout", "recompute"))
         _choice("step.truncated_answers", self.truncated_answers, ("keep", "penalty", "mask"))
         for key in ("rollout_batch_size_per_device", "samples_per_prompt", "ppo_epochs", "max_prompt_len",
                     "max_new_tokens", "temperature", "top_p", "kl_horizon", "critic_lr"):

@@ -622,7 +622,8 @@ def run(cfg: Config) -> dict:
         (run_dir / "ds_config.json").write_text(json.dumps(roles.ds_configs, indent=2))
         say(f"[ppo] {prompts.count} prompts, {prompts.steps} PPO steps of {step_cfg.rollout_batch_size_per_device} "
             f"rollouts per device, {ppo_updates_per_step(cfg)} micro-batch updates each; "
-            f"{step_cfg.advantage_estimator} advantages, KL ({step_cfg.kl_estimator}) in the {step_cfg.kl_in}; actor "
+            f"{step_cfg.advantage_estimator} advantages, KL ({step_cfg.kl_estimator}) in the {step_cfg.kl_in}, old "
+            f"log-probs: {step_cfg.old_logprobs}; actor "
             f"{roles.n_actor / 1e6:.2f}M, critic {f'{roles.n_critic / 1e6:.2f}M' if critic else 'none'} parameters; "
             f"reward: {'reward model' if roles.reward else ''}{' + ' if roles.reward and roles.rule_fn else ''}"
             f"{step_cfg.reward_fn or ''}")
@@ -730,8 +731,8 @@ def _finish(cfg: Config, roles: Roles, judge: Judge, ema, step: int, first: dict
             _keep_best(run_dir, judge.best, step, last, final, judge.warnings, roles.actor_path)
 
     # The list itself goes into the final figures: what _keep_best adds still lands there.
-    return finish(cfg, roles.actor, roles.tokenizer, rank, step, first, {**last, **moved, "warnings": judge.warnings},
-                  logger, save_more)
+    return finish(cfg, roles.actor, roles.tokenizer, rank, step, first,
+                  {**last, **moved, "old_logprobs": cfg.step.old_logprobs, "warnings": judge.warnings}, logger, save_more)
 
 
 def _keep_best(run_dir: Path, best: dict, step: int, last: dict, final: dict, warnings: list[str],
