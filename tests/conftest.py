@@ -46,6 +46,31 @@ def rlhf_cache():
     return Path(os.environ["RLHF_CACHE"])
 
 
+def trajectory_overrides() -> list[str]:
+    """Overrides for a test whose figures come from one training trajectory: the run's seed and torch
+    threads from RLHF_TEST_SEED and RLHF_TEST_THREADS (bench/test_matrix.py sets them), none when
+    unset, so the suite runs as configured (seed 42, hardware.torch_threads=1). OMP_NUM_THREADS
+    alone changes nothing: each run sets its own thread count from hardware.torch_threads."""
+    names = (("RLHF_TEST_SEED", "seed"), ("RLHF_TEST_THREADS", "hardware.torch_threads"))
+    return [f"{key}={int(os.environ[var])}" for var, key in names if os.environ.get(var)]
+
+
+def check_margin(record_property, name: str, value: float, bound: float, higher: bool = True,
+                 strict: bool = False) -> None:
+    """Assert ``value`` >= ``bound`` (<= where not ``higher``; > or < where ``strict``) and record
+    (name, value, bound) as a junit property, so a run with --junitxml shows how far each learning
+    threshold held (bench/test_matrix.py tabulates them). Recorded before the assert: a failing
+    figure lands in the XML too."""
+    import json
+
+    value = float(value)
+    record_property(f"margin:{name}", json.dumps({"value": value, "bound": bound, "higher": higher,
+                                                  "strict": strict}))
+    op = (">" if strict else ">=") if higher else ("<" if strict else "<=")
+    ok = {">": value > bound, ">=": value >= bound, "<": value < bound, "<=": value <= bound}[op]
+    assert ok, f"{name} = {value:.4g}, not {op} its bound {bound:.4g}"
+
+
 def compose(overrides: list[str] | None = None):
     """The composed DictConfig that `python launch.py <overrides>` would get."""
     from rlhf.config import compose_config

@@ -16,7 +16,7 @@ from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.launch import run
 from rlhf.models import load_reward_model
-from tests.conftest import compose
+from tests.conftest import check_margin, compose, trajectory_overrides
 
 FAST = ["step=reward", "model=tiny-opt", "data.max_eval_samples=256", "logging.progress_bar=false",
         "step.rule_check_answers=4"]
@@ -30,19 +30,24 @@ def _eval_batch(cfg, tok):
     return PairCollator(tok.pad_token_id)([ds[i] for i in report])
 
 
-def test_reward_model_learns_the_task_and_reloads_identically(tmp_path):
-    dict_cfg = compose([*FAST, "step.max_steps=250", "step.eval_every_steps=0", f"run_dir={tmp_path}"])
+@pytest.mark.trajectory
+def test_reward_model_learns_the_task_and_reloads_identically(tmp_path, record_property):
+    dict_cfg = compose([*FAST, "step.max_steps=250", "step.eval_every_steps=0", *trajectory_overrides(),
+                        f"run_dir={tmp_path}"])
     final = run(dict_cfg)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     evals = [r for r in rows if "eval/acc" in r]
     assert 0.3 < evals[0]["eval/acc"] < 0.7, "an untrained reward model should be near chance"
     # Half the rejected answers differ from the chosen by one letter, often its alphabet neighbour
     # (rlhf/data/synthetic.py): 250 steps of a tiny model reach about 0.87 (chance 0.5).
-    assert evals[-1]["eval/acc"] >= 0.84, evals[-1]
-    assert evals[-1]["eval/rule_agreement"] > 0.8 and evals[-1]["eval/rule_auc"] > 0.75
-    assert evals[-1]["eval/margin"] > evals[0]["eval/margin"] + 1.0
+    check_margin(record_property, "eval/acc", evals[-1]["eval/acc"], 0.84)
+    check_margin(record_property, "eval/rule_agreement", evals[-1]["eval/rule_agreement"], 0.8, strict=True)
+    check_margin(record_property, "eval/rule_auc", evals[-1]["eval/rule_auc"], 0.75, strict=True)
+    check_margin(record_property, "eval/margin gain", evals[-1]["eval/margin"] - evals[0]["eval/margin"], 1.0,
+                 strict=True)
     train_losses = [r["loss"] for r in rows if "loss" in r]
-    assert train_losses[-1] < 0.6 * train_losses[0]
+    check_margin(record_property, "loss last/first", train_losses[-1] / train_losses[0], 0.6, higher=False,
+                 strict=True)
     assert json.loads((tmp_path / "final_metrics.json").read_text())["eval/acc"] == final["eval/acc"]
 
     # Reload two ways; both must reproduce the run's own held-out figures.
@@ -92,14 +97,17 @@ def test_scores_do_not_depend_on_padding_side():
     pytest.param(["lora.rank=8", "lora.lr=3e-3", "zero=2", "step.gradient_checkpointing=true", "step.max_steps=200"],
                  id="lora-zero2-ckpt"),
 ])
-def test_reward_variants_learn_and_save(tmp_path, variant):
-    final = run(compose([*FAST, "step.max_steps=100", *variant, "step.eval_every_steps=0", f"run_dir={tmp_path}"]))
-    assert final["eval/acc"] > final["eval/acc_before"] + 0.1, final
+@pytest.mark.trajectory
+def test_reward_variants_learn_and_save(tmp_path, record_property, variant):
+    final = run(compose([*FAST, "step.max_steps=100", *variant, "step.eval_every_steps=0", *trajectory_overrides(),
+                         f"run_dir={tmp_path}"]))
+    check_margin(record_property, "eval/acc gain", final["eval/acc"] - final["eval/acc_before"], 0.1, strict=True)
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model", num_labels=1)
     assert not any("lora" in k for k in hf.state_dict())
 
 
-def test_the_best_evaluated_reward_model_is_the_output(tmp_path):
+@pytest.mark.trajectory
+def test_the_best_evaluated_reward_model_is_the_output(tmp_path, record_property):
     """model/ is the reward model of the best evaluation (its scores reproduce that accuracy), the last
     one is in model_last/, and the final figures say which step and which rule ended the run.
 
@@ -110,12 +118,14 @@ def test_the_best_evaluated_reward_model_is_the_output(tmp_path):
     the cap of 400, on any CPU."""
     dict_cfg = compose([*FAST, "data.max_eval_samples=64", "step.max_steps=400", "step.eval_every_steps=5",
                         "step.early_stop_patience=2", "optim.lr=3e-3", "optim.scheduler=constant",
-                        "step.rule_check_answers=0", f"run_dir={tmp_path}"])
+                        "step.rule_check_answers=0", *trajectory_overrides(), f"run_dir={tmp_path}"])
     final = run(dict_cfg)
     evals = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if "eval/acc" in x]
     best = max(evals, key=lambda r: r["select/acc"])  # the rule reads the select half; the first best wins
     assert final["stopped_by"].startswith("select/acc did not beat its best") and final["step"] < 400, final
-    assert best["step"] > 0, "no evaluation beat the untrained model: the reward model did not learn"
+    # An evaluation beat the untrained model (best["step"] > 0): the reward model learned.
+    check_margin(record_property, "best select/acc gain", best["select/acc"] - evals[0]["select/acc"], 0.0, strict=True)
+    assert best["step"] > 0
     assert all(e["select/acc"] <= best["select/acc"] for e in evals[-2:]) and evals[-1]["step"] > best["step"]
     assert final["best_step"] == best["step"] and final["eval/acc"] == best["eval/acc"]
     assert final["eval/acc_last"] == evals[-1]["eval/acc"] and (tmp_path / "model_last" / "config.json").exists()

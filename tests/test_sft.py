@@ -15,7 +15,7 @@ from rlhf.config import ConfigError, to_schema
 from rlhf.data.blend import DataReport, load_step_data
 from rlhf.data.tokenize import IGNORE_INDEX, PadCollator, sft_dataset
 from rlhf.launch import run
-from tests.conftest import compose
+from tests.conftest import check_margin, compose, trajectory_overrides
 
 FAST = ["step.max_steps=30", "step.log_every_steps=5", "data.max_eval_samples=128", "logging.progress_bar=false"]
 
@@ -41,14 +41,16 @@ def _reloaded_ppl(model_dir: Path, cfg) -> float:
     pytest.param(["zero=3"], 0.7, 0.5, id="zero3"),
     pytest.param(["zero=2", "lora.rank=8", "lora.lr=1e-2", "model=tiny-opt"], 0.92, 0.7, id="lora-opt"),
 ])
-def test_sft_learns_saves_and_reloads(tmp_path, variant, loss_ratio, ppl_ratio):
-    dict_cfg = compose([*FAST, *variant, f"run_dir={tmp_path}"])
+@pytest.mark.trajectory
+def test_sft_learns_saves_and_reloads(tmp_path, record_property, variant, loss_ratio, ppl_ratio):
+    dict_cfg = compose([*FAST, *variant, *trajectory_overrides(), f"run_dir={tmp_path}"])
     final = run(dict_cfg)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
-    assert losses[-1] < loss_ratio * losses[0], losses
-    assert final["eval/ppl"] < ppl_ratio * final["eval/ppl_before"], final
+    check_margin(record_property, "loss last/first", losses[-1] / losses[0], loss_ratio, higher=False, strict=True)
+    check_margin(record_property, "eval/ppl after/before", final["eval/ppl"] / final["eval/ppl_before"], ppl_ratio,
+                 higher=False, strict=True)
     for key in ("samples_per_s", "tokens_per_s", "tflops", "latency_s", "memory_gb", "lr"):
         assert rows[1][key] > 0
 
@@ -100,12 +102,16 @@ def test_cli_default_command_writes_loss_metrics(tmp_path):
     assert json.loads((tmp_path / "run.json").read_text())["overrides"][:3] == ["step=sft", "model=tiny-llama", "zero='3'"]
 
 
-def test_sft_stops_once_its_held_out_loss_stops_improving(tmp_path):
+@pytest.mark.trajectory
+def test_sft_stops_once_its_held_out_loss_stops_improving(tmp_path, record_property):
     """A learning rate far too high makes the held-out loss rise: two evaluations without a new best
     (step.early_stop_patience=2) end the run at step 10 of 60, and the final figures say why."""
     final = run(compose(["step.max_steps=60", "step.eval_every_steps=5", "step.early_stop_patience=2", "optim.lr=0.1",
                          "optim.warmup_steps=0", "data.max_eval_samples=64", "logging.progress_bar=false",
-                         f"run_dir={tmp_path}"]))
+                         *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    evals = [json.loads(x)["eval/loss"] for x in open(tmp_path / "metrics.jsonl") if '"eval/loss"' in x]
+    # The stop at step 10 follows from both evaluations after step 0 being worse than step 0's.
+    check_margin(record_property, "best eval/loss after 0 / at 0", min(evals[1:3]) / evals[0], 1.0, strict=True)
     assert final["step"] == 10 and final["eval/loss"] > final["eval/loss_before"]
     assert final["stopped_by"].startswith("eval/loss did not beat its best") and "step.early_stop_patience" in \
         final["stopped_by"]
@@ -127,7 +133,9 @@ def test_sft_stops_on_one_half_of_the_held_out_prompts_and_reports_the_other(tmp
     assert "eval/accuracy" not in next(r for r in rows if r["step"] == 5 and "select/accuracy" in r)
 
 
-def test_a_task_where_one_answer_is_often_right_raises_the_accuracy_stop_above_it(tmp_path, monkeypatch):
+@pytest.mark.trajectory
+def test_a_task_where_one_answer_is_often_right_raises_the_accuracy_stop_above_it(tmp_path, monkeypatch,
+                                                                                  record_property):
     """Is the first letter a vowel? Four answers in five are ' no'. A policy that learned only ' no'
     scores ~80% and passed the absolute 30% bar at its first evaluation; the bar is now 30% of the
     way from the best constant answer's accuracy to 100%, so SFT goes on training."""
@@ -155,12 +163,14 @@ def test_a_task_where_one_answer_is_often_right_raises_the_accuracy_stop_above_i
     monkeypatch.chdir(tmp_path)
     final = run(compose(["step.max_steps=10", "step.eval_every_steps=5", "step.eval_accuracy_prompts=128",
                          "step.stop_at_accuracy=0.3", "step.max_new_tokens=4", "logging.progress_bar=false",
-                         f"data.sources=[{{path: {data}}}]", "data.rule=vowel_rule:score", f"run_dir={tmp_path / 'run'}"]))
+                         f"data.sources=[{{path: {data}}}]", "data.rule=vowel_rule:score", *trajectory_overrides(),
+                         f"run_dir={tmp_path / 'run'}"]))
     constant = final["select/constant_accuracy"]
     assert 0.7 < constant < 0.95 and final["select/accuracy_bar"] == pytest.approx(accuracy_bar(0.3, constant))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "select/accuracy" in line]
     at_5 = next(r for r in rows if r["step"] == 5)
-    assert at_5["select/accuracy"] >= 0.3, "the policy learned the frequent answer by step 5 (the old bar's stop)"
+    # The policy learned the frequent answer by step 5 (the old bar's stop).
+    check_margin(record_property, "select/accuracy at step 5", at_5["select/accuracy"], 0.3)
     assert final["step"] == 10 or final["select/accuracy"] >= final["select/accuracy_bar"], final["stopped_by"]
 
 
