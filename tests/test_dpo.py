@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlhf.config import ConfigError, to_schema
 from rlhf.launch import run
-from tests.conftest import compose, same_run
+from tests.conftest import check_margin, compose, same_run, trajectory_overrides
 from tests.test_resume import _kill_after, _straight
 
 # 1280 pairs: the precomputed reference scores every pair once, whatever max_steps uses.
@@ -24,21 +24,23 @@ DPO_FAST = ["step=dpo", "step.max_steps=40", "step.eval_every_steps=0", "step.ev
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
     base = tmp_path_factory.mktemp("dpo-sft")
-    run(compose(["step=sft", "step.max_steps=30", *QUIET, f"run_dir={base}"]))
+    run(compose(["step=sft", "step.max_steps=30", *QUIET, *trajectory_overrides(), f"run_dir={base}"]))
     return base / "model"
 
 
-def test_dpo_learns_the_preferences_and_saves_a_causal_lm(tmp_path, sft_model):
-    final = run(compose([*DPO_FAST, f"actor.path={sft_model}", f"run_dir={tmp_path}"]))
+@pytest.mark.trajectory
+def test_dpo_learns_the_preferences_and_saves_a_causal_lm(tmp_path, record_property, sft_model):
+    final = run(compose([*DPO_FAST, f"actor.path={sft_model}", *trajectory_overrides(), f"run_dir={tmp_path}"]))
     # Policy and reference start equal: every implicit reward 0, loss log 2, nothing preferred yet.
     assert final["eval/loss_before"] == pytest.approx(0.693147, abs=1e-4)
     assert final["eval/margin_before"] == pytest.approx(0.0, abs=1e-5)
     assert final["eval/pref_acc_before"] == 0.5  # all ties at the start
-    assert final["eval/pref_acc"] >= 0.65 and final["eval/loss"] < 0.6
-    assert final["eval/margin"] > 0.05
+    check_margin(record_property, "eval/pref_acc", final["eval/pref_acc"], 0.65)
+    check_margin(record_property, "eval/loss", final["eval/loss"], 0.6, higher=False, strict=True)
+    check_margin(record_property, "eval/margin", final["eval/margin"], 0.05, strict=True)
     assert "eval/accuracy" in final and "eval/accuracy_before" in final  # the rule's greedy check ran
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"pref_acc"' in line]
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    check_margin(record_property, "loss last/first", rows[-1]["loss"] / rows[0]["loss"], 1.0, higher=False, strict=True)
     # A plain causal LM, changed from its start; the reference never trained (no engine for it kept).
     from transformers import AutoModelForCausalLM
 
@@ -60,10 +62,14 @@ def test_precomputed_and_online_reference_give_the_same_run(tmp_path, sft_model)
 
 
 @pytest.mark.parametrize("loss,extra", [("ipo", []), ("robust", ["step.label_smoothing=0.1"])])
-def test_ipo_and_robust_dpo_learn_under_zero3_with_the_reference_offloaded(tmp_path, sft_model, loss, extra):
+@pytest.mark.trajectory
+def test_ipo_and_robust_dpo_learn_under_zero3_with_the_reference_offloaded(tmp_path, record_property, sft_model, loss,
+                                                                           extra):
     final = run(compose([*DPO_FAST, "zero=3", "step.reference_logprobs=online", "step.offload_reference=true",
-                         f"step.loss={loss}", *extra, f"actor.path={sft_model}", f"run_dir={tmp_path}"]))
-    assert final["eval/pref_acc"] > final["eval/pref_acc_before"] + 0.2
+                         f"step.loss={loss}", *extra, f"actor.path={sft_model}", *trajectory_overrides(),
+                         f"run_dir={tmp_path}"]))
+    check_margin(record_property, "eval/pref_acc gain", final["eval/pref_acc"] - final["eval/pref_acc_before"], 0.2,
+                 strict=True)
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert ds["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
@@ -105,26 +111,33 @@ def test_dpo_config_errors_name_the_key():
         to_schema(compose(["step=dpo", "step.reference_logprobs=sometimes"]))
 
 
-def test_sft_then_dpo_chain(tmp_path):
-    overrides = ["pipeline=dpo", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
+@pytest.mark.trajectory
+def test_sft_then_dpo_chain(tmp_path, record_property):
+    overrides = ["pipeline=dpo", *QUIET, *trajectory_overrides(), f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
                  "pipeline.dpo.step.max_steps=10", "pipeline.dpo.step.eval_accuracy_prompts=16"]
     result = run(compose(overrides), overrides=overrides)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert list(manifest["steps"]) == ["sft", "dpo"]
     assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["dpo"]["overrides"]
-    assert result["dpo/eval/pref_acc"] > result["dpo/eval/pref_acc_before"]
+    check_margin(record_property, "dpo/eval/pref_acc gain", result["dpo/eval/pref_acc"] -
+                 result["dpo/eval/pref_acc_before"], 0.0, strict=True)
     assert (tmp_path / "dpo" / "model" / "config.json").exists()
 
 
 # --------------------------------------------------------------------------------------- SimPO
-def test_simpo_learns_the_preferences_without_a_reference(tmp_path, sft_model):
+@pytest.mark.trajectory
+def test_simpo_learns_the_preferences_without_a_reference(tmp_path, record_property, sft_model):
     """SimPO builds one model (no reference, no reward model), widens the length-normalized margin
     toward gamma, and saves a plain causal LM that changed from its start."""
     final = run(compose(["step=simpo", "step.max_steps=40", "step.eval_every_steps=0", "step.eval_accuracy_prompts=32",
                          "optim.lr=1e-3", "step.log_every_steps=5", *QUIET, f"actor.path={sft_model}",
-                         f"run_dir={tmp_path}"]))
-    assert final["eval/margin"] > final["eval/margin_before"] + 0.2 and final["eval/loss"] < final["eval/loss_before"]
-    assert final["eval/pref_acc"] >= final["eval/pref_acc_before"] and "eval/accuracy" in final
+                         *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    check_margin(record_property, "eval/margin gain", final["eval/margin"] - final["eval/margin_before"], 0.2,
+                 strict=True)
+    check_margin(record_property, "eval/loss after-before", final["eval/loss"] - final["eval/loss_before"], 0.0,
+                 higher=False, strict=True)
+    check_margin(record_property, "eval/pref_acc gain", final["eval/pref_acc"] - final["eval/pref_acc_before"], 0.0)
+    assert "eval/accuracy" in final
     assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor"}
     before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
