@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlhf.config import ConfigError, to_schema
 from rlhf.launch import run
-from tests.conftest import compose, run_cli, same_run
+from tests.conftest import check_margin, compose, run_cli, same_run, trajectory_overrides
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
 PPO_FAST = ["step=ppo", "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=8",
@@ -25,8 +25,8 @@ PPO_FAST = ["step=ppo", "step.rollout_batch_size_per_device=16", "step.micro_bat
 def sft_and_reward(tmp_path_factory):
     """A briefly trained SFT model and reward model, shared by the PPO tests."""
     base = tmp_path_factory.mktemp("chain")
-    run(compose(["step=sft", "step.max_steps=40", *QUIET, f"run_dir={base / 'sft'}"]))
-    run(compose(["step=reward", "step.max_steps=40", "step.rule_check_answers=0", *QUIET,
+    run(compose(["step=sft", "step.max_steps=40", *QUIET, *trajectory_overrides(), f"run_dir={base / 'sft'}"]))
+    run(compose(["step=reward", "step.max_steps=40", "step.rule_check_answers=0", *QUIET, *trajectory_overrides(),
                  f"run_dir={base / 'reward'}"]))
     return base / "sft" / "model", base / "reward" / "model"
 
@@ -65,8 +65,9 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
         assert ds["reward"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
+@pytest.mark.trajectory
 def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_misjudges_the_policy(
-        tmp_path, sft_and_reward, monkeypatch):
+        tmp_path, sft_and_reward, monkeypatch, record_property):
     """Before any update PPO scores the policy's own sampled answers with the reward model and the
     rule: their AUC (select/policy_rm_auc), every row in policy_check.jsonl. In a chain whose floor
     (pipeline.reward_min_policy_auc) it misses, PPO stops with one line naming the figure, a wrong
@@ -79,7 +80,7 @@ def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_mis
 
     _, rm = sft_and_reward
     # A policy with right answers to sample (the shared 40-step one has none).
-    run(compose(["step=sft", "step.max_steps=100", *QUIET, f"run_dir={tmp_path / 'sft'}"]))
+    run(compose(["step=sft", "step.max_steps=100", *QUIET, *trajectory_overrides(), f"run_dir={tmp_path / 'sft'}"]))
     args = [*PPO_FAST, "step.max_steps=2", f"actor.path={tmp_path / 'sft' / 'model'}", f"critic.path={rm}"]
     chain = tmp_path / "chain"
     chain.mkdir()
@@ -91,6 +92,9 @@ def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_mis
         run(compose([*args, f"run_dir={chain / 'ppo'}"]))
     rows = [json.loads(line) for line in open(chain / "ppo" / "policy_check.jsonl")]
     assert len(rows) == 4 * 16 and {r["rule"] for r in rows} <= {0.0, 1.0}
+    # An AUC needs right and wrong answers among the 64 samples of the 100-step policy.
+    right = sum(r["rule"] == 1.0 for r in rows)
+    check_margin(record_property, "fewer of right, wrong sampled answers", min(right, len(rows) - right), 1)
     scores, truth = torch.tensor([r["rm_score"] for r in rows]), torch.tensor([r["rule"] for r in rows])
     assert f"AUC {auc(scores, truth):.3f}" in str(err.value)
     assert not (chain / "ppo" / "final_metrics.json").exists()
@@ -230,7 +234,8 @@ def test_ppo_config_errors_name_the_key():
 
 
 @pytest.mark.parametrize("mode", ["mask", pytest.param("penalty", marks=pytest.mark.slow)])
-def test_truncated_answers_are_counted_and_masked_or_penalized(tmp_path, sft_and_reward, mode):
+@pytest.mark.trajectory
+def test_truncated_answers_are_counted_and_masked_or_penalized(tmp_path, sft_and_reward, mode, record_property):
     """Answers of at most 2 tokens: most are cut without eos. Their fraction is logged, and so is
     the sampler's log-prob gap to a training forward (fp32: rounding only); mask leaves them out of
     the loss, penalty lowers the score they are trained on by step.truncated_penalty: either way the
@@ -242,7 +247,8 @@ def test_truncated_answers_are_counted_and_masked_or_penalized(tmp_path, sft_and
     other = run(compose([*common, f"step.truncated_answers={mode}", f"run_dir={tmp_path / mode}"]))
     rows = {d: [json.loads(x) for x in open(tmp_path / d / "metrics.jsonl") if "policy_loss" in x]
             for d in ("keep", mode)}
-    assert 0.3 < rows["keep"][0]["rollout/truncated_frac"] <= 1.0
+    check_margin(record_property, "rollout/truncated_frac", rows["keep"][0]["rollout/truncated_frac"], 0.3, strict=True)
+    assert rows["keep"][0]["rollout/truncated_frac"] <= 1.0
     # The first rollouts are the same (same seed, same actor): only what is trained on differs.
     assert rows[mode][0]["rollout/truncated_frac"] == rows["keep"][0]["rollout/truncated_frac"]
     assert all(math.isfinite(r["rollout/logprob_diff"]) and r["rollout/logprob_diff"] < 1e-3 for r in rows[mode])
@@ -255,7 +261,8 @@ def test_truncated_answers_are_counted_and_masked_or_penalized(tmp_path, sft_and
     assert other["actor_weight_change"] > 0 and keep["actor_weight_change"] > 0
 
 
-def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
+@pytest.mark.trajectory
+def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys, record_property):
     overrides = ["pipeline=e2e", *QUIET, f"run_dir={tmp_path}",
                  # One key of one step, as README shows: no quoting, the step's other settings kept.
                  "pipeline.sft.step.max_steps=10",
@@ -286,6 +293,7 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys):
     assert "Step 3 (PPO), " in block and "held-out accuracy by the rule" in block
     assert f"[e2e] next: python -m rlhf.chat --path {tmp_path / 'ppo' / 'model'}" in block
     # 10 steps make a weak reward model: with on_weak_step=warn the chain says so before PPO and at the end.
+    check_margin(record_property, "reward eval/acc after 10 steps", reward["eval/acc"], 0.95, higher=False, strict=True)
     assert "below pipeline.reward_min_accuracy=0.95" in manifest["steps"]["ppo"]["warnings"][0]
     assert "[e2e] WARNING Step 3 (PPO) may not work: the reward model's held-out pairwise accuracy" in out
     assert "[e2e] WARNING ppo: ran though it may not work (pipeline.on_weak_step=warn): the reward model's" in block
