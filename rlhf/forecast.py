@@ -1,7 +1,8 @@
 """How long a step takes and what it costs, before it runs: a model a reader can check.
 
-Work: FLOPs from the architecture numbers (rlhf.memory.param_counts): a forward pass costs 2 FLOPs per
-matrix parameter and token plus 2 * layers * context * hidden for attention (Kaplan et al. 2020);
+Work: FLOPs from the model's sizes (rlhf.models.model_sizes: its config.json, parameter counts from a
+meta-device build): a forward pass costs 2 FLOPs per matrix parameter and token plus 2 * layers *
+context * attention width (query heads x head size) for attention (Kaplan et al. 2020);
 training 3 forward passes (forward, and backward for activations and for weights), 4 with gradient
 checkpointing (the forward again), and LoRA drops the frozen weights' gradients (2 of the 3).
 Decoding one token of a batch reads the weights and the KV cache once: the slower of that read at
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
-from rlhf.memory import bytes_per_param, generation_gathering, param_counts, table_bytes
+from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, sizes, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
 # own SFT of a 1.3B model on one H200 ran at 29-33% with 16 rows of 512 tokens (two runs), 47% with 64
@@ -113,15 +114,14 @@ def matmul_params(m: ModelConfig, lm_head: bool) -> int:
     """Parameters that take part in a matrix product per token: every layer's, plus the output
     projection over the vocabulary for a language model (a scalar head is negligible). Embedding
     lookups and position tables cost no FLOPs."""
-    total, _, _ = param_counts(m)
-    h, v = m.hidden_size, m.vocab_size
-    embeddings = (2 * v * h + h) if m.family == "llama" else (v * h + m.max_positions * h + 2 * h)
-    return total - embeddings + (v * h if lm_head else 0)
+    s = sizes(m)
+    return s.layer_params + (s.head_params if lm_head else 0)
 
 
 def forward_flops(m: ModelConfig, tokens: float, context: float, lm_head: bool) -> float:
     """FLOPs of a forward pass over ``tokens`` tokens that attend to ``context`` tokens on average."""
-    return tokens * (2 * matmul_params(m, lm_head) + 2 * m.num_layers * context * m.hidden_size)
+    s = sizes(m)
+    return tokens * (2 * matmul_params(m, lm_head) + 2 * s.num_layers * context * s.num_heads * s.head_dim)
 
 
 def train_flops(m: ModelConfig, tokens: float, seq: float, lm_head: bool, checkpointing: bool, lora: bool) -> float:
@@ -163,7 +163,7 @@ def hardware_rates(cfg: Config) -> Rates:
         link = hw.intra_node_gbs
     link_bps = link * 1e9 * COMM_EFFICIENCY if link else float("inf")
     if hw.accelerator == "cpu":
-        flops, layer_s, how = probe_cpu(cfg.model.hidden_size, hw.precision, hw.torch_threads)
+        flops, layer_s, how = probe_cpu(sizes(cfg.model).hidden_size, hw.precision, hw.torch_threads)
         rates = Rates(flops, float("inf"), link_bps, layer_s, train_layer_overhead_s=3 * layer_s, measured=how,
                       probe=(hw.precision, hw.torch_threads))
         if measured := probe_cpu_training(cfg.model, *rates.probe, flops):
@@ -280,7 +280,7 @@ def overheads_s(m: ModelConfig, rates: Rates) -> tuple[float, float]:
     where the ops queue behind the work)."""
     if rates.probe and (measured := probe_cpu_training(m, *rates.probe, rates.flops)) is not None:
         return measured
-    per_micro = m.num_layers * rates.train_layer_overhead_s
+    per_micro = sizes(m).num_layers * rates.train_layer_overhead_s
     return per_micro, per_micro / 3
 
 
@@ -292,30 +292,33 @@ def probe_cpu_training(m: ModelConfig, precision: str, threads: int, flops: floa
     dispatching the forward's and backward's ops one by one (norms, rotations, gated MLPs: far more
     than the single-token probe's toy layer) and the optimizer's pass. Returns (training micro batch,
     scoring forward) overheads in seconds, cached per process; None where the model is too large to
-    probe or its family unknown."""
-    key = (m.family, m.num_layers, m.hidden_size, m.num_heads, m.ffn_size, m.vocab_size, precision, threads)
+    probe."""
+    s = sizes(m)
+    key = (s.config.to_json_string(use_diff=False), precision, threads)
     if key in _TRAIN_PROBED:
         return _TRAIN_PROBED[key]
-    import dataclasses
-    import types
+    import copy
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf.models import _random_config
+    from rlhf.models import _DROPOUT_KEYS
 
-    if param_counts(m)[0] > TRAIN_PROBE_MAX_PARAMS or m.family not in ("opt", "llama"):
+    if s.params > TRAIN_PROBE_MAX_PARAMS:
         _TRAIN_PROBED[key] = None
         return None
+    config = copy.deepcopy(s.config)  # the model's own config, without dropout (a step is timed, not trained)
+    for k in _DROPOUT_KEYS:
+        if hasattr(config, k):
+            setattr(config, k, 0.0)
     rows, tokens = TRAIN_PROBE_SHAPE
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        ids = torch.randint(3, m.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0))
-        special = types.SimpleNamespace(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        model = AutoModelForCausalLM.from_config(_random_config(dataclasses.replace(m, dropout=0.0), special)).to(dtype)
+        ids = torch.randint(3, s.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0))
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # the engine's optimizer
         trains, forwards = [], []
         for i in range(8):  # the first is a warm-up: first-call allocations and kernel choices
@@ -360,18 +363,19 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
     width = bytes_per_param(precision)
     prefill = forward_flops(m, seqs * prompt, prompt / 2, True) / rates.flops
     attended = prompt + (answer if static else answer / 2)
-    kv_bytes = 2 * m.num_layers * chunk * attended * m.hidden_size * width
+    s = sizes(m)
+    kv_bytes = 2 * s.num_layers * chunk * attended * kv_width(m) * width
     weights, reduce = param_counts(m)[0] * width, 0.0
     if shards > 1:
         tables = table_bytes(m, precision)
         weights = (weights - tables) / shards + tables
         # A ring all-reduce sends and receives 2 (t - 1) / t of the tensor: the group's rows x hidden.
-        per_row = 2 * m.num_layers * 2 * (shards - 1) * m.hidden_size * width / (rates.node_link or rates.link)
+        per_row = 2 * s.num_layers * 2 * (shards - 1) * s.hidden_size * width / (rates.node_link or rates.link)
         prefill += per_row * seqs * prompt
         reduce = per_row * chunk
     read = (weights + kv_bytes) / rates.memory
     math = forward_flops(m, chunk, attended, True) / rates.flops
-    overhead = 0.0 if graph else m.num_layers * rates.layer_overhead_s
+    overhead = 0.0 if graph else s.num_layers * rates.layer_overhead_s
     return prefill + -(-seqs // chunk) * answer * (max(read, math) + overhead + reduce)
 
 
@@ -508,7 +512,7 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     if step.max_steps > 0:
         steps = min(steps, step.max_steps) if part_rows else step.max_steps
     trained = next(r for r in step_roles(cfg) if r.trainable)
-    total, _, lora_params = param_counts(cfg.model, cfg.lora.rank)
+    total, _, lora_params = param_counts(cfg.model, cfg.lora.rank, cfg.lora.target_modules)
     trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
     compute = train_flops(cfg.model, seqs * seq, seq, trained.lm_head, step.gradient_checkpointing, lora)
     if step.name == "dpo":  # the reference's forward over the same pairs
@@ -575,7 +579,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
                      f"(step.max_prompt_len={step.max_prompt_len})")
     seq = prompt + answer
     width = bytes_per_param(hw.precision)
-    a_total, _, a_lora = param_counts(actor, cfg.lora.rank)
+    a_total, _, a_lora = param_counts(actor, cfg.lora.rank, cfg.lora.target_modules)
     c_total, _, _ = param_counts(critic)
     per_step = batch * world
     rollouts = part_rows * step.samples_per_prompt * step.epochs
@@ -609,13 +613,13 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # (the critic's), and the actor itself where old log-probs are recomputed.
     # One forward per generate chunk and role; beyond its FLOPs each dispatches its ops (CPU).
     scoring = 0.0
-    sizes = {"reference": actor, "critic": critic, "reward": critic}
+    role_models = {"reference": actor, "critic": critic, "reward": critic}
     for name in ("reference", "critic", "reward"):
         if name in roles:
-            scoring += forward_flops(sizes[name], batch * seq, seq / 2, name == "reference") / rates.flops
-            scoring += calls * overheads_s(sizes[name], rates)[1]
+            scoring += forward_flops(role_models[name], batch * seq, seq / 2, name == "reference") / rates.flops
+            scoring += calls * overheads_s(role_models[name], rates)[1]
             if cfg.zero.stage == 3:
-                scoring += collective_s(param_counts(sizes[name])[0] * width, world, rates)
+                scoring += collective_s(param_counts(role_models[name])[0] * width, world, rates)
     if step.old_logprobs == "recompute":
         scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops + calls * overheads_s(actor, rates)[1]
 

@@ -142,9 +142,15 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
                      f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
                      f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
                      "the allocation)")
-    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
-    lines += [f"refused: {p}" for p in problems]
     critic = load_model_file(schema.critic.model) if schema.critic.model else None
+    # Where the sizes below come from: the model's config.json, or its conf/model numbers offline.
+    sized = [schema.model] + ([critic] if critic and any(not r.lm_head for r in step_roles(schema)) else [])
+    lines += [f"sizes [{m.name}]: {memory.sizes(m).describe()}" for m in sized]
+    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
+    if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
+        problems += [f"model.path={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
+                     for m in sized if memory.sizes(m).fallback and looks_local(m.path)]
+    lines += [f"refused: {p}" for p in problems]
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
     lines.append(memory.table(estimate, schema.hardware.memory_per_device_gb))

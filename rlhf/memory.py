@@ -4,12 +4,15 @@ Model-state accounting follows DeepSpeed's own estimators
 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``) for mixed
 precision: per trainable parameter 2 bytes of 16-bit weights plus 18 bytes on the optimizer side
 (16-bit and 32-bit gradients, 32-bit master weights, Adam's two moments), partitioned by stage;
-ZeRO-3 also holds the largest layer gathered (4 bytes per parameter). Activations follow Korthikanti
+ZeRO-3 also holds the largest module gathered (4 bytes per parameter). Activations follow Korthikanti
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): 34*s*b*h bytes per
 layer in 16-bit -- their 5*a*s^2*b term for attention scores is left out because transformers'
 default SDPA attention never materializes the score matrix -- or the layer inputs only (2*s*b*h)
 under checkpointing; a language-model head adds b*s*V*(2 + 4) bytes of logits (scalar-head reward
-models and critics have none). Generation's KV cache is 2 * layers * batch * length * hidden * bytes.
+models and critics have none). Generation's KV cache is 2 * layers * batch * length * KV heads *
+head size * bytes (grouped-query attention keeps fewer key/value heads than query heads).
+Every size comes from the model's config.json (rlhf.models.model_sizes), parameter counts from a
+meta-device build of it; a model's conf/model numbers stand in only where no config.json can be read.
 Under ZeRO-3 the generating model (PPO's actor, SFT's model) is either gathered whole for a
 generate call -- its full 16/32-bit weights resident beside its shard -- or gathered layer by
 layer as in training, or gathered into tensor-parallel slices over a node's ranks;
@@ -30,21 +33,19 @@ GIB = 2**30
 USABLE_FRACTION = 0.9
 
 
-def param_counts(m: ModelConfig, lora_rank: int = 0) -> tuple[int, int, int]:
-    """(total, largest layer, LoRA) parameter counts from the architecture numbers alone."""
-    h, f, v, n = m.hidden_size, m.ffn_size, m.vocab_size, m.num_layers
-    if m.family == "llama":  # q, k, v, o + gate, up, down; RMSNorm weights; untied head
-        layer = 4 * h * h + 3 * h * f + 2 * h
-        linears = 4 * (h + h) + 3 * (h + f)
-        embeddings = 2 * v * h + h
-    else:  # OPT-like: biased q, k, v, o + fc1, fc2; LayerNorms; learned positions; tied head
-        layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-        linears = 4 * (h + h) + (h + f) + (f + h)
-        embeddings = v * h + m.max_positions * h + 2 * h
-    total = n * layer + embeddings
-    largest = max(layer, v * h)
-    lora = n * lora_rank * linears if lora_rank else 0
-    return total, largest, lora
+def sizes(m: ModelConfig):
+    """The model's sizes (rlhf.models.model_sizes): its config.json, or its conf/model numbers offline."""
+    from rlhf.models import model_sizes  # torch and transformers: loaded where a model is sized
+
+    return model_sizes(m)
+
+
+def param_counts(m: ModelConfig, lora_rank: int = 0, lora_targets=("all-linear",)) -> tuple[int, int, int]:
+    """(total, largest module, LoRA) parameter counts: exact, from a meta-device build of the model's
+    config. The largest module is DeepSpeed's largest_layer_params (ZeRO-3 gathers one module's own
+    parameters at a time)."""
+    s = sizes(m)
+    return s.params, s.largest_module, s.lora_params(lora_rank, lora_targets)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def model_states(total: int, largest: int, trainable: int, stage: int, world: in
 
 def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, precision: str,
                      lm_head: bool = True) -> float:
-    h, n, v = m.hidden_size, m.num_layers, m.vocab_size
+    s = sizes(m)
+    h, n, v = s.hidden_size, s.num_layers, s.vocab_size
     scale = 1 if precision in ("fp16", "bf16") else 2
     per_layer_full = 34 * seq * batch * h
     if checkpointing:
@@ -109,8 +111,15 @@ def bytes_per_param(precision: str) -> int:
     return 2 if precision in ("fp16", "bf16") else 4
 
 
+def kv_width(m: ModelConfig) -> int:
+    """Numbers one token keeps per layer for each of key and value: its key/value heads x head size
+    (grouped-query attention keeps fewer heads than it queries with; head size from config.json)."""
+    s = sizes(m)
+    return s.num_kv_heads * s.head_dim
+
+
 def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> float:
-    return 2 * m.num_layers * batch * length * m.hidden_size * bytes_per_param(precision)
+    return 2 * sizes(m).num_layers * batch * length * kv_width(m) * bytes_per_param(precision)
 
 
 def generating_role(cfg: Config) -> str | None:
@@ -132,7 +141,17 @@ def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
 def table_bytes(m: ModelConfig, precision: str) -> float:
     """The embedding and the language-model head (one table where tied, as OPT's): what a
     tensor-parallel slice of the model (rlhf.shards) holds whole on every rank."""
-    return bytes_per_param(precision) * m.vocab_size * m.hidden_size * (1 if m.family == "opt" else 2)
+    return bytes_per_param(precision) * sizes(m).table_params
+
+
+def tp_unsupported(m: ModelConfig, t: int) -> str | None:
+    """Why ``m`` cannot be split over ``t`` ranks for generation (rlhf.shards), from its sizes."""
+    from rlhf.shards import PLANS, unsupported
+
+    s = sizes(m)
+    # rlhf.shards keys its plans by the class a checkpoint loads as; a family without one is named.
+    family = s.architecture if s.architecture in PLANS else s.family
+    return unsupported(family, s.num_heads, s.ffn_size, t, s.num_kv_heads)
 
 
 def generation_tp_size(cfg: Config) -> int:
@@ -152,16 +171,14 @@ def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -
     """
     if cfg.zero.stage != 3 or generating_role(cfg) is None:
         return 0
-    from rlhf.shards import unsupported
-
     mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
     t, m = generation_tp_size(cfg), cfg.model
-    if mode == "tp" and (why := unsupported(m.family, m.num_heads, m.ffn_size, t) or (
+    if mode == "tp" and (why := tp_unsupported(m, t) or (
             f"{t} ranks per group do not divide the {cfg.world_size} ranks" if cfg.world_size % t else None)):
         raise ConfigError(f"step.zero3_generation=tp with step.generation_tp_size={t}: {why}")
     if mode != "auto":
         return {"gather": 1, "tp": t, "layerwise": 0}[mode]
-    ways = [1] + ([t] if t > 1 and not unsupported(m.family, m.num_heads, m.ffn_size, t) else [])
+    ways = [1] + ([t] if t > 1 and not tp_unsupported(m, t) else [])
     budget = cfg.hardware.memory_per_device_gb
     return next((way for way in ways if verdict(estimate(cfg, critic_model, gathering=way), budget)[0]), 0)
 
@@ -177,7 +194,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
     micro = step.micro_batch_size_per_device
 
     def trainable_role(name: str, m: ModelConfig, lora: int, batch: int, seq: int, lm_head: bool) -> RoleMemory:
-        total, largest, lora_params = param_counts(m, lora)
+        total, largest, lora_params = param_counts(m, lora, cfg.lora.target_modules)
         trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
         r = RoleMemory(name, total + lora_params, True)
         r.weights, r.gradients, r.optimizer = model_states(total + lora_params, largest, trainable, stage, world,

@@ -16,7 +16,25 @@ from rlhf.config.checks import PROJECT_ROOT, _choice, _positive
 from rlhf.errors import ConfigError
 
 # --------------------------------------------------------------------------------------- model
-MODEL_FAMILIES = ("opt", "llama", "bloom", "gpt_neox", "gpt2")
+# Families whose random models we build (rlhf.models._random_config); any other family is a
+# transformers model_type, read from a checkpoint's config.json.
+RANDOM_FAMILIES = ("opt", "llama")
+# The numbers that stand in for config.json where it cannot be read (a dry-run with no hub).
+SIZE_KEYS = ("num_layers", "hidden_size", "num_heads", "ffn_size", "vocab_size", "max_positions")
+# A random model's family and numbers where its file leaves them unset: a LLaMA small enough to train
+# on one CPU core in minutes (conf/model/tiny-llama.yaml). A checkpoint's are never defaulted.
+RANDOM_DEFAULTS = {"family": "llama", "num_layers": 2, "hidden_size": 128, "num_heads": 4, "ffn_size": 512,
+                   "vocab_size": 512, "max_positions": 256}
+
+
+def known_family(family: str) -> bool:
+    """Whether transformers' AutoConfig knows this model_type (its registry is read only for a family
+    outside RANDOM_FAMILIES: importing it costs seconds)."""
+    if family in RANDOM_FAMILIES:
+        return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return family in CONFIG_MAPPING_NAMES
 
 
 @dataclass
@@ -24,18 +42,23 @@ class ModelConfig:
     # Short name used in run-directory names and tables.
     name: str = MISSING
     # Hub id or local folder handed to from_pretrained; empty for a random model (cache folder).
+    # Its config.json gives every size the pre-flight, the forecast and the runners use.
     path: str = ""
-    # Architecture family; picks the transformers config class for random models.
-    family: str = "llama"
+    # Architecture family (a transformers model_type). config.json's model_type wins where it can be
+    # read; here it picks the config class of random models (opt, llama) and of the offline fallback.
+    family: str | None = None
     # Build a random model (and a tokenizer trained on the shipped data) instead of downloading.
     random_init: bool = False
-    # Architecture numbers: they size random models and let memory be estimated offline.
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_heads: int = 4
-    ffn_size: int = 512
-    vocab_size: int = 512
-    max_positions: int = 256
+    # Architecture numbers: they size random models (unset: RANDOM_DEFAULTS), and stand in for
+    # config.json only in a dry-run that cannot read it (no hub); null where config.json is the only source.
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    # Key/value heads (grouped-query attention); null: as many as num_heads.
+    num_kv_heads: int | None = None
+    ffn_size: int | None = None
+    vocab_size: int | None = None
+    max_positions: int | None = None
     # Seed of the random weights and of nothing else (the run seed drives training).
     init_seed: int = 0
     # Execute model code shipped with a hub checkpoint; off unless you trust the repository.
@@ -43,16 +66,32 @@ class ModelConfig:
     # Override every dropout probability in the model config; null keeps the checkpoint's own.
     dropout: float | None = None
 
+    @property
+    def has_sizes(self) -> bool:
+        """Whether this file's numbers can stand in for config.json (all of them and the family set)."""
+        return self.family is not None and all(getattr(self, k) is not None for k in SIZE_KEYS)
+
     def __post_init__(self) -> None:
-        _choice("model.family", self.family, MODEL_FAMILIES)
+        if self.family is not None and not known_family(self.family):
+            raise ConfigError(f"model.family={self.family!r} is not a model_type transformers' AutoConfig knows; "
+                              "give the checkpoint's own (its config.json's model_type), or leave it null")
         if not self.random_init and not self.path:
             raise ConfigError(f"model.path is empty for model {self.name!r}: give a hub id or a "
                               "local folder, or set model.random_init=true")
-        for key in ("num_layers", "hidden_size", "num_heads", "ffn_size", "vocab_size", "max_positions"):
-            _positive(f"model.{key}", getattr(self, key))
-        if self.hidden_size % self.num_heads:
+        if self.random_init and not self.path:
+            for key, value in RANDOM_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+            _choice("model.family", self.family, RANDOM_FAMILIES)
+        for key in (*SIZE_KEYS, "num_kv_heads"):
+            if getattr(self, key) is not None:
+                _positive(f"model.{key}", getattr(self, key))
+        if self.hidden_size and self.num_heads and self.hidden_size % self.num_heads:
             raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
                               f"model.num_heads={self.num_heads}")
+        if self.num_kv_heads and self.num_heads and self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_heads={self.num_heads} is not divisible by "
+                              f"model.num_kv_heads={self.num_kv_heads} (each key/value head serves a group)")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
 

@@ -179,14 +179,15 @@ class Config:
                     f"({self.world_size} = hardware.nodes x hardware.devices_per_node)")
             self.step.gradient_accumulation_steps = self.step.global_batch_size // per_step
         self.step.global_batch_size = per_step * self.step.gradient_accumulation_steps
-        if self.model.random_init and self.step.max_seq_len > self.model.max_positions:
+        random = self.model.random_init and self.model.max_positions is not None
+        if random and self.step.max_seq_len > self.model.max_positions:
             raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
                               f"{self.model.max_positions}")
         if self.step.name == "ppo" and self.step.old_logprobs == "auto":
             # Derived from the precision: in 16 bits the decode's cached forwards and the full forwards that
             # score the new and reference log-probs round apart, so the old ones must come from a full one too.
             self.step.old_logprobs = "rollout" if self.hardware.precision == "fp32" else "recompute"
-        if self.step.name == "ppo" and self.model.random_init and \
+        if self.step.name == "ppo" and random and \
                 self.step.max_prompt_len + self.step.max_new_tokens > self.model.max_positions:
             raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = "
                               f"{self.step.max_prompt_len + self.step.max_new_tokens} exceeds model.max_positions="
@@ -203,24 +204,26 @@ def ppo_updates_per_step(cfg: Config) -> int:
 
 def ppo_role_problems(cfg: Config) -> list[str]:
     """What makes a PPO config unrunnable before any model loads: a missing reward model, or roles
-    whose architecture files (the memory pre-flight's sizes) say they use another tokenizer than
-    the actor. Used by the dry-run, the launcher and the runner alike."""
+    whose sizes (rlhf.models.model_sizes: their config.json, else their conf/model numbers) say they
+    use another tokenizer than the actor. Used by the dry-run, the launcher and the runner alike."""
     if cfg.step.name != "ppo":
         return []
     problems = []
     if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
         problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
                         "output), or use step.reward_fn=rule step.reward_model_weight=0")
-    actor = cfg.model
+    from rlhf.models import model_sizes  # transformers: only where a PPO config is checked
+
+    actor = model_sizes(cfg.model)
     for role in ("critic", "reward"):
         name = getattr(cfg, role).model
         if not name or (role == "reward" and cfg.step.reward_model_weight == 0):
             continue
-        other = load_model_file(name)
+        other = model_sizes(load_model_file(name))
         if (other.family, other.vocab_size) != (actor.family, actor.vocab_size):
             problems.append(f"{role}.model={name} ({other.family}, vocabulary {other.vocab_size}) does not share the "
-                            f"actor's tokenizer (model={actor.name}: {actor.family}, vocabulary {actor.vocab_size}); "
-                            "PPO feeds the actor's token ids to the critic and reward model")
+                            f"actor's tokenizer (model={cfg.model.name}: {actor.family}, vocabulary "
+                            f"{actor.vocab_size}); PPO feeds the actor's token ids to the critic and reward model")
     return problems
 
 
@@ -237,7 +240,7 @@ def missing_paths(cfg: Config, will_exist: tuple[str, ...] = ()) -> list[str]:
 
 
 def load_model_file(name: str) -> ModelConfig:
-    """A conf/model file as a ModelConfig (architecture numbers for sizing or checking another role)."""
+    """A conf/model file as a ModelConfig (its path, and the numbers that stand in for its config.json offline)."""
     node = OmegaConf.load(PROJECT_ROOT / "conf" / "model" / f"{name}.yaml")
     node.pop("defaults", None)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
