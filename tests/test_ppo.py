@@ -112,11 +112,12 @@ def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_mis
 def test_scoring_in_generation_chunks_gives_the_same_step(tmp_path, sft_and_reward):
     """step.generation_batch_size_per_device splits generation and every scoring forward (reference,
     critic, reward model, and the actor's with step.old_logprobs=recompute) into chunks of rows: with
-    greedy rollouts the step's figures are those of one whole-batch pass."""
+    rollouts at a temperature where every draw is the argmax the step's figures are those of one
+    whole-batch pass."""
     sft, rm = sft_and_reward
     rows = {}
     for chunk in (0, 5):  # 16 rollouts: chunks of 5, 5, 5 and 1
-        run(compose([*PPO_FAST, "step.max_steps=1", "step.do_sample=false", "step.old_logprobs=recompute",
+        run(compose([*PPO_FAST, "step.max_steps=1", "step.temperature=0.001", "step.old_logprobs=recompute",
                      f"step.generation_batch_size_per_device={chunk}", f"actor.path={sft}", f"critic.path={rm}",
                      f"run_dir={tmp_path / str(chunk)}"]))
         rows[chunk] = next(json.loads(line) for line in open(tmp_path / str(chunk) / "metrics.jsonl")
@@ -226,7 +227,15 @@ def test_ppo_config_errors_name_the_key():
     for key in ("step.top_k=50", "step.top_p=0.9"):  # a truncated sampler: refused, with why
         with pytest.raises(ConfigError, match=f"{key.replace('.', '[.]')}.*full distribution.*infinite KL"):
             to_schema(compose(["step=ppo", key]))
-    assert to_schema(compose(["step=ppo", "step.top_k=50", "step.do_sample=false"])).step.top_k == 50  # greedy: unused
+    with pytest.raises(ConfigError, match=r"^step.do_sample=false: .*every advantage 0\); set step.do_sample=true"):
+        to_schema(compose(["step=ppo", "step.do_sample=false"]))
+    for extra in (["step.kl_in=loss"], ["step.advantage_estimator=grpo", "step.samples_per_prompt=4",
+                                        "step.kl_estimator=k1"]):
+        with pytest.raises(ConfigError, match=r"^step.kl_in=loss with step.kl_estimator=k1: .*set step.kl_estimator=k3"):
+            to_schema(compose(["step=ppo", *extra]))
+    # The fixes the two lines name are accepted.
+    assert to_schema(compose(["step=ppo", "step.kl_in=loss", "step.kl_estimator=k3"])).step.kl_in == "loss"
+    assert to_schema(compose(["step=ppo", "step.do_sample=true"])).step.do_sample
     with pytest.raises(ConfigError, match="step.loss_agg='mean'.*token_mean, seq_mean_token_mean"):
         to_schema(compose(["step=ppo", "step.loss_agg=mean"]))
     with pytest.raises(ConfigError, match="step.truncated_answers='drop'.*keep, penalty, mask"):

@@ -26,7 +26,7 @@ TINY = ["step=ppo", "model=tiny-llama", "hardware=cpu-2rank", "step.micro_batch_
 # DeepSpeed-Chat's step-3 settings (LoRA 128 actor, OPT-350M critic, 256 + 256 tokens), written
 # out here so that the test does not depend on how experiment files store per-step settings.
 DSCHAT_PPO = ["critic.model=opt-350m", "lora.rank=128", "step.max_prompt_len=256", "step.max_new_tokens=256",
-              "step.gradient_checkpointing=true", "step.do_sample=false"]
+              "step.gradient_checkpointing=true"]
 PPO_SIZES = {"opt-1.3b_a6000": ["step.rollout_batch_size_per_device=32", "step.generation_batch_size_per_device=16",
                                 "step.micro_batch_size_per_device=16", "step.gradient_accumulation_steps=2"],
              "opt-66b_64xa100-80g": ["step.offload_reference=true", "step.rollout_batch_size_per_device=4",

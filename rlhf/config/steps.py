@@ -220,7 +220,8 @@ class PPOStepConfig(StepConfig):
     max_new_tokens: int = 8
     # Shortest answer in tokens (eos is suppressed before it); 0: none. Benchmarks use it for fixed lengths.
     min_new_tokens: int = 0
-    # Sample (true) or decode greedily (false) during rollouts.
+    # Sample during rollouts; PPO refuses false (see __post_init__): its log-probs, ratio and KL are of
+    # softmax(logits / temperature), which argmax answers are not drawn from.
     do_sample: bool = True
     # Sampling temperature; log-probs are computed on logits / temperature to match the sampler.
     temperature: float = 0.7
@@ -231,9 +232,9 @@ class PPOStepConfig(StepConfig):
     # recompute in bf16/fp16, where the two kinds of forward round differently and the ratio would start
     # away from 1, rollout in fp32, where they agree to rounding. The run's choice is in its final figures.
     old_logprobs: str = "auto"
-    # Nucleus sampling mass; 1.0 is off. PPO refuses other values when sampling (see __post_init__).
+    # Nucleus sampling mass; 1.0 is off. PPO refuses other values (see __post_init__).
     top_p: float = 1.0
-    # Top-k sampling; 0 is off. PPO refuses other values when sampling (see __post_init__).
+    # Top-k sampling; 0 is off. PPO refuses other values (see __post_init__).
     top_k: int = 0
     # How per-token losses become the step's loss (rlhf.losses.LOSS_AGGS: token_mean,
     # seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm), over the whole optimizer step;
@@ -340,7 +341,12 @@ class PPOStepConfig(StepConfig):
         if self.loss_agg is None:
             self.loss_agg = estimator.loss_agg
         _choice("step.loss_agg", self.loss_agg, tuple(LOSS_AGGS))
-        if self.do_sample and (self.top_k or self.top_p < 1.0):
+        if not self.do_sample:
+            raise ConfigError(
+                "step.do_sample=false: PPO scores each rollout as a draw of softmax(logits / step.temperature), which "
+                "argmax answers are not, and with grpo, dr_grpo or rloo every answer to a prompt is the same (every "
+                "advantage 0); set step.do_sample=true (a lower step.temperature gives more focused rollouts)")
+        if self.top_k or self.top_p < 1.0:
             # Top-k / top-p sample from a truncated distribution whose support is each model's own: a
             # token the actor drew can lie outside the reference's top-k, where its probability is 0 and
             # the KL infinite; scoring with the full softmax instead biases the gradient and the KL.
@@ -351,6 +357,13 @@ class PPOStepConfig(StepConfig):
                 "0 under the reference: an infinite KL). Lower step.temperature for more focused rollouts")
         _choice("step.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
         _choice("step.kl_in", self.kl_in, KL_PLACES)
+        if self.kl_in == "loss" and self.kl_estimator == "k1":
+            # d/dtheta E_pi[log pi - log ref] = E_pi[grad log pi * (log pi - log ref)] + E_pi[grad log pi], and the
+            # per-sample k1 term's gradient is only the second part: zero in expectation on-policy.
+            raise ConfigError(
+                "step.kl_in=loss with step.kl_estimator=k1: the k1 term's gradient is zero in expectation on-policy, "
+                "so it would not pull the policy toward the reference; set step.kl_estimator=k3 (or k2), or "
+                "step.kl_in=reward")
         if self.samples_per_prompt < estimator.min_group:
             raise ConfigError(f"step.advantage_estimator={self.advantage_estimator} compares the answers to one prompt: "
                               f"it needs step.samples_per_prompt >= {estimator.min_group} "
