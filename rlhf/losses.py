@@ -361,13 +361,14 @@ def reinforce_pp_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
 
 
 def reinforce_pp_baseline_estimator(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
-    """REINFORCE++ with a baseline: scores centered within their prompt group, returns to go, then
-    divided by the global batch's std. Not re-centered over the batch: the group mean is the baseline,
-    and a token-weighted batch mean would give groups whose answers all scored the same a non-zero
-    advantage that grows with answer length."""
+    """REINFORCE++-baseline (Hu 2025; OpenRLHF's reinforce_baseline): scores centered within their
+    prompt group, returns to go, then normalized over the global batch's answer tokens (every rank's),
+    mean and std, as REINFORCE++ is. The batch step re-centres: the advantages of the batch's tokens
+    sum to 0, so a group whose answers all scored the same gets minus the batch's token mean over its
+    std, not 0."""
     score = group_centered(x.score, x.group_size)
     returns = discounted_returns(place_rewards(score, x.kl, x.mask, x.kl_coef, None), x.mask, x.gamma)
-    return masked_whiten(returns, x.mask, reduce=x.reduce, shift_mean=None), None
+    return masked_whiten(returns, x.mask, reduce=x.reduce), None
 
 
 @dataclass(frozen=True)

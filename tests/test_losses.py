@@ -312,7 +312,7 @@ def _inputs(score, kl=None, mask=None, kl_coef=0.0, group=2, gamma=1.0, reduce=N
 MIXED = [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
 def test_a_group_whose_answers_all_scored_the_same_gets_zero_advantage(name):
     # The bug this replaced: whitening GRPO's advantages over the batch gave all-wrong groups +0.19.
     x = _inputs([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0], mask=MIXED + MIXED, group=4)
@@ -358,10 +358,19 @@ def test_discounted_returns_and_reinforce_pp_by_hand():
     x = _inputs([1.0, 1.0], kl=[[1.0, 2.0], [0.0, 0.0]], kl_coef=0.1)
     returns = losses.discounted_returns(losses.place_rewards(x.score, x.kl, x.mask, 0.1, None), x.mask, 1.0)
     assert torch.allclose(returns, t([[0.7, 0.8], [1.0, 1.0]]), atol=1e-6)
-    # With the group baseline: scores [1, 0 | 1, 1] -> [0.5, -0.5 | 0, 0] on one token each; whitened:
-    # std sqrt(0.125) = 0.353553 -> [1.414214, -1.414214, 0, 0].
-    adv, _ = losses.ESTIMATORS["reinforce_pp_baseline"].fn(_inputs([1.0, 0.0, 1.0, 1.0], mask=[[1]] * 4))
-    assert torch.allclose(adv[:, 0], t([1.414214, -1.414214, 0.0, 0.0]), atol=1e-4)
+
+
+def test_reinforce_pp_baseline_centres_on_the_group_then_normalizes_over_the_batch_by_hand():
+    # Scores [1, 0 | 1, 1] in groups of 2, answers of 2, 1, 1 and 2 tokens. Group means 0.5 and 1:
+    # centered [0.5, -0.5 | 0, 0]; returns to go [[0.5, 0.5], [-0.5, -], [0, -], [0, 0]]. Over the batch's
+    # 6 tokens: mean 0.5 / 6 = 1/12, variance 0.75 / 6 - 1/144 = 0.118056, std 0.343592 ->
+    # (0.5 - 1/12) / std = 1.212678, (-0.5 - 1/12) / std = -1.697749, (0 - 1/12) / std = -0.242536.
+    x = _inputs([1.0, 0.0, 1.0, 1.0], mask=[[1, 1], [1, 0], [1, 0], [1, 1]])
+    adv, returns = losses.ESTIMATORS["reinforce_pp_baseline"].fn(x)
+    assert returns is None
+    assert torch.allclose(adv, t([[1.212678, 1.212678], [-1.697749, 0.0], [-0.242536, 0.0], [-0.242536, -0.242536]]),
+                          atol=1e-5)
+    assert losses.masked_mean(adv, x.mask).item() == pytest.approx(0.0, abs=1e-6)  # re-centred over the batch
 
 
 def test_reinforce_pp_normalizes_over_every_rank():
