@@ -431,6 +431,9 @@ def data_tokenizer(cfg: Config):
         if param_counts(cfg.model)[0] > 50e6:
             return None
         path = models.resolve_path(dataclasses.replace(cfg.model, path="", random_init=True))
+    elif path and os.path.isdir(folder := os.path.expanduser(path)) and not any(
+            f.startswith(("tokenizer", "vocab", "spiece")) for f in os.listdir(folder)):
+        return None  # a folder holding only config.json: AutoTokenizer would make an empty tokenizer of it
     return models.load_tokenizer(path or models.resolve_path(cfg.model))
 
 
