@@ -91,13 +91,33 @@ def test_held_out_rows_split_by_prompt_into_a_select_and_a_report_half():
     """Rules select on one half of the distinct prompts, figures are reported on the other: no prompt
     in both, every row of a prompt in one half, and the halves do not move with the cap (every step of
     a chain selects on the same prompts whatever its own cap)."""
-    prompts = ["a", "b", "a", "c", "d", "e", "b", "f", "g"]  # 7 distinct: halves of 3, "g" in neither
-    select, report = heldout_split(prompts)
-    assert [prompts[i] for i in select] == ["a", "b", "a", "c", "b"] and [prompts[i] for i in report] == ["d", "e", "f"]
-    select2, report2 = heldout_split(prompts, cap=2)
-    assert {prompts[i] for i in select2} == {"a", "b"} and {prompts[i] for i in report2} == {"d", "e"}
+    prompts = ["a", "b", "a", "c", "d", "e", "b", "f", "g"]  # 7 distinct: halves of 3, one prompt in neither
+    select, report = heldout_split(prompts, seed=1234)
+    chosen, reported = {prompts[i] for i in select}, {prompts[i] for i in report}
+    assert len(chosen) == len(reported) == 3 and not chosen & reported
+    assert select == [i for i, p in enumerate(prompts) if p in chosen]  # every row of a chosen prompt
+    assert report == [i for i, p in enumerate(prompts) if p in reported]
+    select2, report2 = heldout_split(prompts, seed=1234, cap=2)
+    assert len({prompts[i] for i in select2}) == len({prompts[i] for i in report2}) == 2
     assert set(select2) <= set(select) and set(report2) <= set(report)
-    assert heldout_split(["only"]) == ([], [])
+    assert heldout_split(["only"], seed=1234) == ([], [])
+    assert heldout_split(prompts, seed=1234) == (select, report), "the same seed, the same halves"
+
+
+def test_held_out_halves_are_shuffled_so_both_draw_from_every_source_of_a_blend():
+    """Eval rows come source by source; halves in file order would select on the first source and
+    report on the second. Shuffled by the data seed, each half holds both; the halves depend on the
+    count of distinct prompts and the seed only, so a chain's steps (prompt text in one, prompt token
+    ids in another) split alike."""
+    prompts = [f"first source {i}" for i in range(100)] + [f"second source {i}" for i in range(100)]
+    for seed in range(5):
+        select, report = heldout_split(prompts, seed)
+        for half in (select, report):
+            share = sum(i < 100 for i in half) / len(half)
+            assert 0.3 < share < 0.7, (seed, share)
+        as_ids = [tuple(ord(c) for c in p) for p in prompts]
+        assert heldout_split(as_ids, seed) == (select, report)
+    assert heldout_split(prompts, 0) != heldout_split(prompts, 1)
 
 
 def test_step_parts_of_the_shipped_blend_are_disjoint():

@@ -26,7 +26,8 @@ def _eval_batch(cfg, tok):
     """The held-out pairs eval/* is reported on: the report half of the prompts."""
     _, rows = load_step_data(cfg.data, "reward", DataReport())
     ds = pair_dataset(rows, tok, cfg.step.max_seq_len, DataReport(), "eval")
-    report = heldout_split([tuple(ids[:n]) for ids, n in zip(ds["chosen_ids"], ds["prompt_len"], strict=True)])[1]
+    report = heldout_split([tuple(ids[:n]) for ids, n in zip(ds["chosen_ids"], ds["prompt_len"], strict=True)],
+                           cfg.data.seed)[1]
     return PairCollator(tok.pad_token_id)([ds[i] for i in report])
 
 

@@ -218,15 +218,19 @@ def blend(parts: list[Dataset], weights: list[float], seed: int, total: int | No
     return out.shuffle(seed=int(rng.integers(2**31))), counts.tolist()
 
 
-def heldout_split(prompts: list, cap: int = 0) -> tuple[list[int], list[int]]:
+def heldout_split(prompts: list, seed: int, cap: int = 0) -> tuple[list[int], list[int]]:
     """Indices of the held-out rows readiness rules select on (stop a step, keep its best model) and
     of the rows every reported figure comes from: the rows of the first and of the second half of the
-    distinct ``prompts`` (one per row, in row order; all rows of a prompt stay in one part), at most
-    ``cap`` prompts each (0: no cap). A rule that stops the moment a noisy estimate crosses its line,
-    or keeps the best of many estimates, makes that estimate optimistic; a figure from prompts it
-    never saw is not. Halves of the same eval rows, so every step of a chain selects on the same
-    prompts and reports on the same others."""
+    distinct ``prompts`` (one per row; all rows of a prompt stay in one part) shuffled by ``seed``
+    (data.seed), at most ``cap`` prompts each (0: no cap). A rule that stops the moment a noisy
+    estimate crosses its line, or keeps the best of many estimates, makes that estimate optimistic; a
+    figure from prompts it never saw is not. Shuffled, because eval rows come in file order, source by
+    source: halves in that order would select on the first sources of a blend and report on the last.
+    The order depends on the number of distinct prompts and the seed alone (not on the prompts' type or
+    text), so every step of a chain selects on the same prompts and reports on the same others."""
     distinct = list(dict.fromkeys(prompts))
+    order = np.random.default_rng(seed).permutation(len(distinct))
+    distinct = [distinct[i] for i in order]
     half = len(distinct) // 2
     size = min(half, cap) if cap > 0 else half
     select, report = set(distinct[:size]), set(distinct[half:half + size])

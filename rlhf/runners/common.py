@@ -70,7 +70,7 @@ def greedy_check(cfg: Config, eval_prompts: list[str], tokenizer, report) -> tup
     from rlhf.data.blend import heldout_split
 
     rule = rewards.task_rule(cfg.data.rule, eval_prompts)
-    rows = heldout_split(eval_prompts, cfg.step.eval_accuracy_prompts)[1]
+    rows = heldout_split(eval_prompts, cfg.data.seed, cfg.step.eval_accuracy_prompts)[1]
     if not cfg.step.eval_accuracy_prompts or rule is None or not rows:
         return rule, []
     return rule, rollout.prompt_dataset([{"prompt": eval_prompts[i]} for i in rows], tokenizer, cfg.step.max_seq_len,

@@ -432,7 +432,7 @@ def build_prompts(cfg: Config, tokenizer, rank: int, world: int) -> Prompts:
     # (select/*), every reported figure (before, after, the output's) comes from the other (eval/*).
     select, report_half = (
         prompt_dataset(eval_rows.select(part), tokenizer, step_cfg.max_prompt_len, report, "eval",
-                       cfg.data.long_prompts) for part in heldout_split(eval_rows["prompt"], step_cfg.eval_prompts))
+                       cfg.data.long_prompts) for part in heldout_split(eval_rows["prompt"], cfg.data.seed, step_cfg.eval_prompts))
     per_step = step_cfg.rollout_batch_size_per_device // step_cfg.samples_per_prompt
     sampler = DistributedSampler(train_prompts, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed,
                                  drop_last=True)

@@ -128,12 +128,12 @@ def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> li
     them; none where no rule knows the prompts or step.rule_check_answers is 0."""
     if not cfg.step.rule_check_answers:
         return []
-    prompts = list(dict.fromkeys(eval_prompts[i] for i in heldout_split(eval_prompts)[1]))
+    prompts = list(dict.fromkeys(eval_prompts[i] for i in heldout_split(eval_prompts, cfg.data.seed)[1]))
     if not cfg.data.rule and all(synthetic.parse_prompt(p) is not None for p in prompts):
         return shipped_candidates(prompts, cfg.step.rule_check_answers, cfg.data.seed)
     if cfg.data.rule:
         rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
-        return rule_candidates(rows.select(heldout_split(rows["prompt"])[1]), rewards.resolve(cfg.data.rule, "data.rule"))
+        return rule_candidates(rows.select(heldout_split(rows["prompt"], cfg.data.seed)[1]), rewards.resolve(cfg.data.rule, "data.rule"))
     return []
 
 
@@ -233,7 +233,8 @@ def run(cfg: Config) -> dict:
     # Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
     # reported figure comes from the other (eval/*). One prompt: no split, both read it.
     select_rows, report_rows = heldout_split([tuple(ids[:n]) for ids, n in zip(eval_ds["chosen_ids"],
-                                                                                eval_ds["prompt_len"], strict=True)])
+                                                                                eval_ds["prompt_len"], strict=True)],
+                                             cfg.data.seed)
     if not select_rows:
         select_rows = report_rows = list(range(len(eval_ds)))
     selection = common.eval_loader(eval_ds.select(select_rows), cfg, rank, world, collate)

@@ -70,7 +70,7 @@ def run(cfg: Config) -> dict:
     # (eval/accuracy, before training and of the output) comes from the other half.
     select_prompts, report_prompts = [], []
     rule = rewards.task_rule(cfg.data.rule, eval_prompts)
-    parts = heldout_split(eval_prompts, step_cfg.eval_accuracy_prompts)
+    parts = heldout_split(eval_prompts, cfg.data.seed, step_cfg.eval_accuracy_prompts)
     if step_cfg.eval_accuracy_prompts and rule is not None and all(parts):
         select_prompts, report_prompts = (
             rollout.prompt_dataset([{"prompt": eval_prompts[i]} for i in part], tokenizer, step_cfg.max_seq_len,
