@@ -55,9 +55,51 @@ def main(cfg: DictConfig) -> float | None:
                            f"{type(err).__name__}: {err}")
         return math.nan
     if cfg.launch.dry_run:
-        return None
+        return dry_run_verdict(final, run_dir, step, overrides, multirun, time.perf_counter() - start)
     result = sweep.write_result(run_dir, "ok", step, overrides, final, time.perf_counter() - start)
     return result["value"]
+
+
+REFUSED_JOBS: list[str] = []  # dry-run jobs of this multirun whose real run would not start
+
+
+def dry_run_verdict(final: dict, run_dir: Path, step: str, overrides: list[str], multirun: bool, wall_s: float) -> float:
+    """The dry-run's last line: would the real run start? A run that would be refused or would not fit
+    exits 2, so that scripts and sweeps do not take the printout for a yes. In a sweep each job's
+    verdict goes to the results table (status dry-run) and the sweep exits 2 at the end."""
+    from rlhf import sweep
+
+    refused = final.get("refused", [])
+    line = ("dry-run: the real run would be refused: " + "; ".join(refused) if refused
+            else "dry-run: the real run would start (it fits, nothing refused)")
+    print(line, flush=True)
+    if not multirun:
+        if refused:
+            sys.exit(2)
+        return math.nan
+    sweep.write_result(run_dir, "dry-run", step, overrides, None, wall_s, line.removeprefix("dry-run: "))
+    if refused:
+        REFUSED_JOBS.append(" ".join(overrides))
+    return math.nan
+
+
+def optuna_dry_run(args: list[str]) -> list[str]:
+    """A dry-run of an Optuna sweep is the dry-run of its base config, once: its trials are points the
+    study has not drawn yet, and a trial without an objective fails the study's end. The other sweeps
+    dry-run every job."""
+    from rlhf.config import compose_config
+
+    multirun_flags = {"-m", "--multirun"}
+    plain = [a for a in args if a not in multirun_flags]
+    try:
+        sweeper = compose_config(plain, with_hydra=True).hydra.sweeper.get("_target_", "")
+    except Exception:  # noqa: BLE001 - a wrong override is reported by the run itself, in its own words
+        return args
+    if "optuna" not in sweeper.lower():
+        return args
+    print("dry-run of an Optuna sweep: the pre-flight of its base config, once (each trial differs only in "
+          "hydra.sweeper.params)", flush=True)
+    return plain
 
 
 if __name__ == "__main__":
@@ -75,4 +117,10 @@ if __name__ == "__main__":
         except ConfigError as err:
             print(f"{err.kind} error: {err}", file=sys.stderr)
             sys.exit(2)
+    if {"-m", "--multirun"} & set(sys.argv[1:]) and any(a.lower() == "launch.dry_run=true" for a in sys.argv[1:]):
+        sys.argv[1:] = optuna_dry_run(sys.argv[1:])
     main()
+    if REFUSED_JOBS:
+        print(f"dry-run: {len(REFUSED_JOBS)} job(s) of the sweep would be refused: " + " | ".join(REFUSED_JOBS),
+              file=sys.stderr)
+        sys.exit(2)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+from rlhf.config.groups import looks_local
 
 
 def respond(model, tokenizer, history: str, max_new_tokens: int, sample: bool, temperature: float) -> str:
@@ -41,6 +44,11 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # A hub id is "name" or "org/name"; anything else (a path with more parts, ./, /, ~) is a folder,
+    # and a missing one is named as such rather than passed to the hub as a malformed id.
+    if not Path(args.path).expanduser().exists() and (looks_local(args.path) or args.path.count("/") > 1):
+        sys.exit(f"no such folder: {args.path} (a step's output is RUN_DIR/model, e.g. "
+                 "runs/e2e/<chain>/ppo/model; or give a hub id such as facebook/opt-1.3b)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.path)
         model = AutoModelForCausalLM.from_pretrained(args.path).eval()

@@ -44,6 +44,9 @@ def usage() -> str:
 
     groups = [(d.name, options(d)) for d in sorted(conf.iterdir()) if d.is_dir() and d.name not in ("hydra", "stage")]
     groups.append(("sweep", options(PROJECT_ROOT / "sweeps" / "sweep") + "   (with -m; files in sweeps/sweep/)"))
+    groups.append(("hydra/launcher", "basic (default: jobs one after the other), joblib (N at a time: "
+                   "hydra.launcher.n_jobs=N), " + options(conf / "hydra" / "launcher") + "   (with -m)"))
+    groups.append(("hydra/sweeper", "basic (default: the grid), optuna (a search; see sweeps/sweep/reward_optuna.yaml)"))
     groups.append(("stage", ", ".join(sorted(d.name for d in (conf / "stage").iterdir() if d.is_dir()))
                    + "   (a chain's per-step files, named by pipeline.stages.<step>)"))
     width = max(len(name) for name, _ in groups)

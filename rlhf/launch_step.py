@@ -298,6 +298,16 @@ def refuse_unrunnable(schema: Config, fits: bool, report: str, problems: list[st
                           "launch.force=true to run anyway.")
 
 
+def dry_run_result(schema: Config, fits: bool, problems: list[str]) -> dict:
+    """What a dry-run found: whether the real run would start, and if not, why (the same reasons the
+    real run refuses with; launch.force=true lets a run that does not fit start)."""
+    why = list(problems)
+    if not fits and not schema.launch.force:
+        why.append(f"{schema.step.name} does not fit in {schema.hardware.name}'s memory (the table above; "
+                   "launch.force=true runs it anyway)")
+    return {"dry_run": True, "fits": fits and not problems, "refused": why}
+
+
 def prepare_step(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str],
                  will_exist: tuple[str, ...] = ()) -> dict | None:
     """Everything before the ranks start: checks, the run directory, shared files. Returns the final
@@ -331,7 +341,7 @@ def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: lis
     if schema.launch.dry_run:
         fits, report, problems = preflight(schema, run_dir)
         print(report, flush=True)
-        return {"fits": fits and not problems}
+        return dry_run_result(schema, fits, problems)
     if (done := prepare_step(cfg, schema, overrides, command)) is not None:
         return done
     if schema.world_size > 1 and "LOCAL_RANK" not in os.environ:

@@ -112,10 +112,14 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             launch_step.refuse_unrunnable(step_schema, *report)
         planned[name] = (step_cfg, step_schema, args, delta)
     if schema.launch.dry_run:
+        verdicts = {}
         for name, (_, step_schema, _, _) in planned.items():
-            print(launch_step.preflight(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))[1],
-                  flush=True)
-        return {}
+            fits, report, problems = launch_step.preflight(step_schema, chain_dir / name,
+                                                            will_exist=tuple(outputs.values()))
+            print(report, flush=True)
+            verdicts[name] = launch_step.dry_run_result(step_schema, fits, problems)
+        return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),
+                "refused": [f"{STEPS[n].title}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
 
     chain_dir.mkdir(parents=True, exist_ok=True)
     launch_step.write_run_dir(cfg, chain_dir, overrides, command)

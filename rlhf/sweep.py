@@ -17,6 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from rlhf.config import NUMERIC_GROUPS
 from rlhf.files import write_whole
 
 # The number each step's sweeps optimize, and in which direction.
@@ -115,11 +116,17 @@ def planned_jobs(config: DictConfig) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
+def _shown(override: str) -> str:
+    """An override as the user typed it: `zero='3'` reaches Hydra quoted (rlhf.config.NUMERIC_GROUPS)."""
+    key, sep, value = override.partition("=")
+    return key + sep + (value.replace("'", "") if key in NUMERIC_GROUPS else value)
+
+
 def _swept(rows: list[dict]) -> dict[str, list[str]]:
     """Override keys whose values differ between jobs."""
     values: dict[str, list[str]] = {}
     for row in rows:
-        for o in row["overrides"]:
+        for o in map(_shown, row["overrides"]):
             key, _, value = o.partition("=")
             values.setdefault(key, []).append(value)
     return {k: v for k, v in values.items() if len(set(v)) > 1}
@@ -139,7 +146,7 @@ def write_tables(rows: list[dict], out: Path) -> dict[str, Path]:
               *metric_keys, "error"]
     table = []
     for i, r in enumerate(ordered, 1):
-        table.append([i if r["status"] == "ok" else "", r["job"], r["status"], " ".join(r["overrides"]),
+        table.append([i if r["status"] == "ok" else "", r["job"], r["status"], " ".join(map(_shown, r["overrides"])),
                       "" if r["value"] is None else f"{r['value']:.6g}", _fmt(r["wall_s"]),
                       *[_fmt(r["metrics"].get(k)) for k in metric_keys], (r.get("error") or "")[:200]])
     paths = {"csv": out / "results.csv", "md": out / "results.md", "png": out / "results.png"}
@@ -148,7 +155,10 @@ def write_tables(rows: list[dict], out: Path) -> dict[str, Path]:
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in table]
     paths["md"].write_text(f"Sweep results, sorted by {objective_name} ({mode}imize)\n\n" + "\n".join(lines) + "\n")
-    _plot(ok, paths["png"])
+    if ok:
+        _plot(ok, paths["png"])
+    else:  # a dry-run sweep, or every job failed: no figure rather than empty axes
+        paths.pop("png").unlink(missing_ok=True)
     return paths
 
 
@@ -166,7 +176,7 @@ def _plot(ok: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(swept), figsize=(4.5 * len(swept), 3.5), squeeze=False)
     objective_name = ok[0]["objective"] if ok else "objective"
     for ax, key in zip(axes[0], swept, strict=True):
-        xs = [dict(o.partition("=")[::2] for o in r["overrides"]).get(key, r["job"]) for r in ok]
+        xs = [dict(_shown(o).partition("=")[::2] for o in r["overrides"]).get(key, r["job"]) for r in ok]
         try:
             x = [float(v) for v in xs]
             ax.set_xscale("log" if min(x) > 0 and max(x) / min(x) > 50 else "linear")
@@ -206,14 +216,14 @@ class SweepTable(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         paths = write_tables(collect(sweep_dir, planned_jobs(config)), sweep_dir)
         if paths:
-            print(f"[sweep] results: {paths['md']} {paths['csv']} {paths['png']}", flush=True)
+            print(f"[sweep] results: {' '.join(map(str, paths.values()))}", flush=True)
 
     def _stopped_early(self) -> None:
         rows = collect(self.sweep_dir, self.planned)
         if not any(r["job"] for r in rows):
             return  # no job started: nothing to tell apart
         paths = write_tables(rows, self.sweep_dir)
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete", "not started")}
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "dry-run", "failed", "incomplete", "not started")}
         print("[sweep] the sweep stopped before all its jobs returned: "
               + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
               + f" of {len(rows)}. Run the same command again: finished jobs are skipped, stopped ones resume "

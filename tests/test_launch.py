@@ -30,7 +30,7 @@ def test_required_presets_and_experiments_exist():
 def test_every_experiment_dry_runs_with_consistent_batches_and_fits(name, tmp_path, capsys):
     overrides = [f"experiment={name}", "launch.dry_run=true", f"run_dir={tmp_path}"]
     cfg = compose(overrides)
-    assert run(cfg, overrides=overrides) == {}
+    assert run(cfg, overrides=overrides) == {"dry_run": True, "fits": True, "refused": []}
     out = capsys.readouterr().out
     assert not (tmp_path / "config.yaml").exists(), "a dry-run writes nothing"
     for step in cfg.pipeline.steps:
@@ -207,7 +207,7 @@ def test_dry_run_counts_updates_names_the_hostfile_and_refuses_what_the_real_run
 
     # A PPO step alone with no reward model: the real run refuses, so the dry-run must not say it fits.
     alone = run(compose(["step=ppo", "launch.dry_run=true", f"run_dir={tmp_path}"]))
-    assert alone == {"fits": False}
+    assert alone["fits"] is False and "needs critic.path" in alone["refused"][0]
     assert "refused: PPO with step.reward_model_weight > 0 needs critic.path" in capsys.readouterr().out
 
     # An OPT critic for a LLaMA actor would score LLaMA token ids: refused before anything loads.

@@ -54,6 +54,10 @@ def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("project_root"):
         # Shipped data and caches are addressed from the checkout, whatever the working directory.
         OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+    if not OmegaConf.has_resolver("unquoted"):
+        # Sweep job folders are named by their overrides; `zero=3` reaches Hydra quoted (below), and a
+        # folder named zero='3' needs quoting in every shell.
+        OmegaConf.register_new_resolver("unquoted", lambda text: text.replace("'", ""))
     if not OmegaConf.has_resolver("or_else"):
         # hydra.run.dir follows run_dir when the user sets it: Hydra's own files (.hydra/) then land
         # in the run directory instead of a second, timestamped folder under runs/.
@@ -128,14 +132,14 @@ def check_override_keys(overrides: list[str]) -> None:
     Hydra refuses ``optim.lrr=1e-4`` itself, with a multi-line message, exit code 1 and the advice
     to add the key with ``+`` (which to_schema then refuses); this composes first and says it in
     one line. Other composition errors are left to Hydra's own message."""
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, HydraException
 
     try:
         compose_config(overrides)
     except ConfigCompositionException as err:
         found = re.search(r"Could not override '([^']+)'", str(err))
         if not found:
-            return
+            raise composition_error(err) from None
         key = found.group(1)
         parent, _, _ = key.rpartition(".")
         rest = [o for o in overrides if not o.split("=", 1)[0].lstrip("~+") == key]
@@ -146,10 +150,45 @@ def check_override_keys(overrides: list[str]) -> None:
             node = None
         known = [f"{parent}.{k}" if parent else str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
         raise _not_a_key(key, known) from None
+    except HydraException as err:  # a group option that does not exist, an override Hydra cannot parse
+        raise composition_error(err) from None
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The config `python launch.py <overrides>` composes, inside a running Hydra app or outside.
+def composition_error(err: Exception) -> ConfigError:
+    """Hydra's multi-line composition error as one line naming the key, the value and what it takes.
+
+    A wrong type (``optim.lr=abc``), a group option that does not exist (``zero=5``; the schema
+    entries Hydra lists among the options are internal and left out), an unparsable override."""
+    text = str(err)
+    cause = str(err.__cause__ or "")
+    if found := re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)\s+full_key: (\S+)", cause):
+        value, kind, key = found.groups()
+        return ConfigError(f"{key}={value!r}: expected {_KINDS.get(kind, kind.lower())}")
+    if found := re.search(r"Value '(.*)' is not a valid (\w+) .*\s+full_key: (\S+)", cause):
+        value, kind, key = found.groups()
+        return ConfigError(f"{key}={value!r}: expected {_KINDS.get(kind.capitalize(), kind)}")
+    if found := re.search(r"Could not find '([^/']+)/([^']+)'", text):
+        group, value = found.groups()
+        options = [o.strip() for o in text.split(f"Available options in '{group}':", 1)[-1].split("Config search")[0]
+                   .splitlines() if o.strip() and not o.strip().startswith("schema")]
+        where = PROJECT_ROOT / "conf" / group
+        return ConfigError(f"{group}={value}: no such option; {group} is one of {', '.join(options)} "
+                           f"(the files in {where if where.is_dir() else 'the config search path'})")
+    if found := re.search(r"Could not find '([^']+)'", text):
+        return ConfigError(f"{found.group(1)}: no such config file")
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    if type(err).__name__ == "OverrideParseException":
+        first = f"an override Hydra cannot parse ({first}; grammar: https://hydra.cc/docs/advanced/override_grammar/basic)"
+    return ConfigError(f"{first}{': ' + cause.splitlines()[0] if cause else ''}")
+
+
+_KINDS = {"Float": "a number", "Integer": "an integer", "Boolean": "true or false", "Bool": "true or false",
+          "String": "a string"}
+
+
+def compose_config(overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """The config `python launch.py <overrides>` composes, inside a running Hydra app or outside;
+    ``with_hydra``: with Hydra's own node (sweeper, launcher) as well.
 
     The one place overrides are composed besides @hydra.main (launch.py quotes the same way)."""
     from hydra import compose, initialize_config_dir
@@ -157,6 +196,6 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
     overrides = quote_numeric_groups(overrides)
     if GlobalHydra.instance().is_initialized():
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
     with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)

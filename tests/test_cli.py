@@ -1,0 +1,96 @@
+"""The command line tells the truth: a dry-run that says no exits 2, a wrong value, type or group option
+is one line and exit code 2 naming the key, dry-run sweeps record verdicts (not killed jobs) and draw
+nothing, --help names every group; and the Python API runs what the command line runs.
+
+    python -m pytest -q tests/test_cli.py
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from conftest import run_cli
+
+import rlhf
+from rlhf.config import ConfigError
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def test_a_dry_run_the_real_run_would_refuse_exits_2_and_says_so_last(tmp_path):
+    refused = run_cli("step=ppo", "launch.dry_run=true", f"run_dir={tmp_path}/ppo", timeout=300)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert _last_line(refused.stdout).startswith("dry-run: the real run would be refused: PPO with "
+                                                 "step.reward_model_weight > 0 needs critic.path")
+    missing = run_cli("actor.path=/nonexistent/model", "launch.dry_run=true", f"run_dir={tmp_path}/sft", timeout=300)
+    assert missing.returncode == 2 and "/nonexistent/model" in _last_line(missing.stdout), missing.stdout[-2000:]
+    # The same preset that does not fit one A6000 with ZeRO-0 (a 1.3B actor, Adam states in fp32 on 48 GB):
+    # refused unless forced, as the real run is.
+    big = ["model=opt-6.7b", "hardware=a6000", "zero=0", "launch.dry_run=true", f"run_dir={tmp_path}/big"]
+    too_big = run_cli(*big, timeout=300)
+    assert too_big.returncode == 2 and "does not fit" in _last_line(too_big.stdout), too_big.stdout[-2000:]
+    forced = run_cli(*big, "launch.force=true", timeout=300)
+    assert forced.returncode == 0 and _last_line(forced.stdout).startswith("dry-run: the real run would start")
+    assert not any(p.parent.name != ".hydra" for p in tmp_path.rglob("*.yaml")), "a dry-run writes no run folder"
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("optim.lr=abc", "config error: optim.lr='abc': expected a number"),
+    ("step.max_steps=1.5", "config error: step.max_steps='1.5': expected an integer"),
+    ("launch.dry_run=maybe", "config error: launch.dry_run='maybe': expected true or false"),
+    ("zero=5", "config error: zero=5: no such option; zero is one of 0, 1, 2, 2-offload, 3, 3-offload"),
+    ("step=ppx", "config error: step=ppx: no such option; step is one of dpo, ppo, reward, sft, simpo"),
+])
+def test_a_wrong_value_type_or_group_option_is_one_line_and_exit_2(override, line, tmp_path):
+    proc = run_cli(override, f"run_dir={tmp_path}", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[0]]  # one line
+    assert proc.stderr.startswith(line) and "schema" not in proc.stderr, proc.stderr
+
+
+def test_a_dry_run_sweep_records_each_job_s_verdict_and_draws_nothing(tmp_path):
+    # sft_lr_zero: 3 learning rates x zero 0 and 3, here for SFT and for PPO.
+    proc = run_cli("-m", "sweep=sft_lr_zero", "step=sft,ppo", "launch.dry_run=true", f"hydra.sweep.dir={tmp_path}",
+                   timeout=600)
+    # PPO without a reward model would be refused: the sweep says so and exits 2.
+    assert proc.returncode == 2 and "6 job(s) of the sweep would be refused" in proc.stderr, proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [r["status"] for r in rows] == ["dry-run"] * 12
+    verdicts = {r["overrides"]: r["error"] for r in rows}
+    assert all(v.startswith("the real run would be refused") == ("step=ppo" in k) for k, v in verdicts.items())
+    assert not (tmp_path / "results.png").exists(), "no figure without a finished job"
+    assert not any("'" in p.name for p in tmp_path.iterdir()), "job folders named as typed: zero=3, not zero='3'"
+
+
+def test_an_optuna_sweep_dry_runs_its_base_config_once(tmp_path):
+    proc = run_cli("-m", "sweep=reward_optuna", "launch.dry_run=true", f"run_dir={tmp_path}/base", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dry-run of an Optuna sweep" in proc.stdout and proc.stdout.count("== reward:") == 1
+    assert _last_line(proc.stdout).startswith("dry-run: the real run would start")
+
+
+def test_help_names_every_group_and_chat_names_a_missing_folder(tmp_path):
+    out = run_cli("--help", timeout=120).stdout
+    for group in ("data", "experiment", "hardware", "model", "pipeline", "step", "zero", "sweep", "hydra/launcher",
+                  "hydra/sweeper"):
+        assert f"\n  {group} " in out, group
+    chat = run_cli("--path", str(tmp_path / "runs" / "ppo" / "model"), module="rlhf.chat", input="", timeout=120)
+    assert chat.returncode != 0 and chat.stderr.startswith(f"no such folder: {tmp_path}/runs/ppo/model"), chat.stderr
+
+
+def test_the_python_api_composes_and_trains_as_the_command_line_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default run folder (runs/...) lands here
+    cfg = rlhf.compose(["step=sft", "optim.lr=1e-3"])
+    assert cfg.optim.lr == 1e-3 and cfg.run_dir.startswith("runs/sft/") and "hydra" not in cfg
+    with pytest.raises(ConfigError, match="optim.lrr is not a key of the config; did you mean optim.lr"):
+        rlhf.compose(["optim.lrr=1e-3"])
+    final = rlhf.train(["step=sft", "step.max_steps=4", "step.eval_every_steps=0", "data.max_eval_samples=16",
+                        "logging.progress_bar=false"])
+    run_dirs = list((tmp_path / "runs" / "sft").iterdir())
+    assert len(run_dirs) == 1 and final["step"] == 4 and final["stopped_by"] == "the cap step.max_steps=4"
+    assert json.loads((run_dirs[0] / "final_metrics.json").read_text())["step"] == 4
+    assert (run_dirs[0] / "command.txt").read_text().split()[1:3] == ["launch.py", "step=sft"]
