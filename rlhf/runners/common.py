@@ -146,7 +146,12 @@ class Throughput:
     DeepSpeed-Chat's figures: samples/s, tokens/s, TFLOPs per device, step latency, peak memory."""
 
     def __init__(self, cfg: Config, n_params: int, world: int):
+        from rlhf.models import model_sizes
+
         self.cfg, self.n_params, self.world = cfg, n_params, world
+        # Layers and width from the model's config.json (as the pre-flight read them), not conf/model's numbers.
+        sizes = model_sizes(cfg.model)
+        self.layers, self.hidden = sizes.num_layers, sizes.hidden_size
         self.reset()
 
     def reset(self) -> None:
@@ -172,7 +177,7 @@ class Throughput:
     def summary(self, rows_per_step: int) -> dict[str, float]:
         elapsed = time.perf_counter() - self.start
         steps = self.micro / self.cfg.step.gradient_accumulation_steps
-        flops = train_flops(self.n_params, self.cfg.model.num_layers, self.cfg.model.hidden_size,
+        flops = train_flops(self.n_params, self.layers, self.hidden,
                             self.padded * self.world, self.seq_len, self.cfg.step.gradient_checkpointing)
         out = {"samples_per_s": rows_per_step * steps / elapsed, "tokens_per_s": self.tokens * self.world / elapsed,
                "tflops": flops / elapsed / 1e12 / self.world, "latency_s": elapsed / max(steps, 1e-9),
