@@ -36,7 +36,7 @@ def train(overrides: list[str] | None = None) -> dict:
 
         import rlhf
         final = rlhf.train(["step=sft", "step.max_steps=50", "run_dir=/tmp/sft"])
-        print(final["eval/accuracy"], final["stopped_by"])
+        print(final["eval/loss"], final["stopped_by"])
     """
     import sys
 
