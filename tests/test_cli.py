@@ -11,10 +11,11 @@ import csv
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import compose, run_cli
 
 import rlhf
 from rlhf.config import ConfigError
+from rlhf.launch import run
 
 
 def _last_line(text: str) -> str:
@@ -26,15 +27,16 @@ def test_a_dry_run_the_real_run_would_refuse_exits_2_and_says_so_last(tmp_path):
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert _last_line(refused.stdout).startswith("dry-run: the real run would be refused: PPO with "
                                                  "step.reward_model_weight > 0 needs critic.path")
-    missing = run_cli("actor.path=/nonexistent/model", "launch.dry_run=true", f"run_dir={tmp_path}/sft", timeout=300)
-    assert missing.returncode == 2 and "/nonexistent/model" in _last_line(missing.stdout), missing.stdout[-2000:]
-    # The same preset that does not fit one A6000 with ZeRO-0 (a 1.3B actor, Adam states in fp32 on 48 GB):
-    # refused unless forced, as the real run is.
+    # The verdict the command line prints is the run's own: in-process, the same reasons come back.
+    missing = run(compose(["actor.path=/nonexistent/model", "launch.dry_run=true", f"run_dir={tmp_path}/sft"]))
+    assert not missing["fits"] and "/nonexistent/model" in missing["refused"][0], missing
+    # A 6.7B actor with Adam states in fp32 on one 48 GB A6000 with ZeRO-0 does not fit: refused unless
+    # forced, as the real run is.
     big = ["model=opt-6.7b", "hardware=a6000", "zero=0", "launch.dry_run=true", f"run_dir={tmp_path}/big"]
-    too_big = run_cli(*big, timeout=300)
-    assert too_big.returncode == 2 and "does not fit" in _last_line(too_big.stdout), too_big.stdout[-2000:]
-    forced = run_cli(*big, "launch.force=true", timeout=300)
-    assert forced.returncode == 0 and _last_line(forced.stdout).startswith("dry-run: the real run would start")
+    too_big = run(compose(big))
+    assert too_big["refused"] == ["sft does not fit in a6000's memory (the table above; launch.force=true runs it "
+                                  "anyway)"], too_big
+    assert run(compose([*big, "launch.force=true"]))["refused"] == []
     assert not any(p.parent.name != ".hydra" for p in tmp_path.rglob("*.yaml")), "a dry-run writes no run folder"
 
 
