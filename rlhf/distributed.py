@@ -24,6 +24,14 @@ def rank_share(items: list, rank: int, world: int) -> list:
     return [items[i % len(items)] for i in range(rank * per_rank, (rank + 1) * per_rank)]
 
 
+def first_copies(n_items: int, rank: int, world: int) -> int:
+    """How many of ``rank_share``'s entries on ``rank`` are the items' first copies: a share is a
+    contiguous run of indices and the wrapped-round copies are its tail, so its first entries count
+    and the rest must not be counted again (each item once in a figure over all ranks)."""
+    per_rank = -(-n_items // world)
+    return max(0, min(per_rank, n_items - rank * per_rank))
+
+
 def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from rlhf import losses
 from rlhf.data.blend import DataReport
 from rlhf.decode import accepts, decode
-from rlhf.distributed import rank_share, sum_over_ranks
+from rlhf.distributed import first_copies, rank_share, sum_over_ranks
 
 
 @dataclass
@@ -257,29 +257,31 @@ def answer_texts(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> list[
 def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tokens: int,
              batch_size: int, gathering: int = 0, samples: list | None = None) -> dict[str, float]:
     """Greedy answers to held-out prompts: rule accuracy (where the rule applies), reward-model
-    score, answer length. Each rank takes an equal share (ZeRO-3 needs equal forward counts).
+    score, answer length, each prompt counted once. Each rank takes an equal share (ZeRO-3 needs equal
+    forward counts), the last ranks' filled up with copies that are answered and not counted.
     ``samples``: a list this rank's first batch of (prompt, answer, rule, reward) rows is appended to."""
     if not prompts:
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = rank_share(prompts, rank, world)
+    mine, counted = rank_share(prompts, rank, world), first_copies(len(prompts), rank, world)
     sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
         response = generate(actor, batch, tokenizer, max_new_tokens, gathering=gathering)
         rmask = response_mask(response, tokenizer.eos_token_id)
         answers = answer_texts(tokenizer, response, rmask)
-        sums[0] += len(answers)
-        sums[3] += rmask.sum().item()
+        k = max(0, min(len(answers), counted - i))  # this batch's rows that are first copies
+        sums[0] += k
+        sums[3] += rmask[:k].sum().item()
         rules = [rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True)] if rule_fn else None
         rm = None
         if rules is not None:
-            sums[1] += sum(rules)
+            sums[1] += sum(rules[:k])
         if reward is not None:
             seq = torch.cat([batch["input_ids"].to(actor.device), response], 1)
             attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
             rm = losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float().cpu()
-            sums[2] += rm.sum().item()
+            sums[2] += rm[:k].sum().item()
         if samples is not None and i == 0:
             samples += [{"prompt": p, "answer": a, "rule": rules[j] if rules else None,
                          "rm_score": round(rm[j].item(), 4) if rm is not None else None}

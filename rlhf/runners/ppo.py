@@ -43,7 +43,7 @@ from rlhf.checkpoint import (
 from rlhf.config import Config, ConfigError, ppo_role_problems, ppo_updates_per_step
 from rlhf.data.blend import DataReport, heldout_split, load_step_data, load_text_sources
 from rlhf.data.tokenize import PadCollator, sft_dataset
-from rlhf.distributed import cat_over_ranks, rank_share, sum_over_ranks, world_size
+from rlhf.distributed import cat_over_ranks, first_copies, rank_share, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
 from rlhf.rollout import (
     Experience,
@@ -279,7 +279,9 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gathering: int) ->
         scored += [{"prompt": p, "answer": a, "rule": rule, "rm_score": round(r, 4)}
                    for p, a, rule, r in zip(batch["prompts"], answers, scores.fn.tolist(), scores.rm.tolist(),
                                             strict=True)]
-    both = cat_over_ranks(torch.tensor([[r["rm_score"], r["rule"]] for r in scored], dtype=torch.float32))
+    # Rank order is row order and the wrapped-round copies are the last rank's tail: each row once.
+    both = cat_over_ranks(torch.tensor([[r["rm_score"], r["rule"]] for r in scored], dtype=torch.float32))[:len(rows)]
+    scored = scored[:first_copies(len(rows), rank, world)]
     out = {"select/policy_sampled_accuracy": both[:, 1].mean().item()}
     if bool(((both[:, 1] == 0) | (both[:, 1] == 1)).all()):  # a right/wrong rule
         out["select/policy_rm_auc"] = losses.auc(both[:, 0], both[:, 1])

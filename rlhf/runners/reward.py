@@ -31,7 +31,7 @@ from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, heldout_split, load_step_data
 from rlhf.data.tokenize import PairCollator, pair_dataset
-from rlhf.distributed import rank_share
+from rlhf.distributed import first_copies, rank_share
 from rlhf.runners import common, loop
 
 # The policy's answers for its pairs are drawn at temperature 1, wider than PPO's sampling (0.7 by
@@ -91,10 +91,10 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
     it compares rewards of different prompts.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = rank_share(cands, rank, world)
+    mine, counted = rank_share(cands, rank, world), first_copies(len(cands), rank, world)
     engine.eval()
     scores, labels, agree, pairs = [], [], 0, 0
-    for prompt, answers in mine:
+    for j, (prompt, answers) in enumerate(mine):
         seqs = [tokenizer(prompt).input_ids + tokenizer(a, add_special_tokens=False).input_ids
                 + [tokenizer.eos_token_id] for a, _ in answers]
         width = max(len(s) for s in seqs)
@@ -104,6 +104,8 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
             ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
         values = engine(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device))
         s = losses.gather_at(values, losses.end_indices(mask.to(engine.device))).cpu()
+        if j >= counted:  # a wrapped-round copy: scored for ZeRO-3's equal forwards, counted once elsewhere
+            continue
         y = torch.tensor([float(label) for _, label in answers])
         ranked = y.unsqueeze(1) > y.unsqueeze(0)  # [i, j]: the rule puts answer i above answer j
         agree += int(((s.unsqueeze(1) > s.unsqueeze(0)) & ranked).sum())
@@ -112,7 +114,8 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
         labels.append(y)
     engine.train()
     gathered = [None] * world
-    dist.all_gather_object(gathered, (torch.cat(scores), torch.cat(labels), agree, pairs))
+    dist.all_gather_object(gathered, (torch.cat(scores) if scores else torch.zeros(0),
+                                      torch.cat(labels) if labels else torch.zeros(0), agree, pairs))
     all_scores = torch.cat([g[0] for g in gathered])
     all_labels = torch.cat([g[1] for g in gathered])
     total_agree, total_pairs = sum(g[2] for g in gathered), sum(g[3] for g in gathered)
