@@ -116,9 +116,12 @@ def table(results: list[dict]) -> list[list[str]]:
     names: dict[str, list[str]] = {}
     for r in results:
         for test, t in r["tests"].items():
-            for name in t["margins"] or [""]:
+            for name in t["margins"]:
                 if name not in names.setdefault(test, []):
                     names[test].append(name)
+    for r in results:
+        for test in r["tests"]:
+            names[test] = names.get(test) or [""]  # a test that recorded no figure in any cell: one row
     for r in results:
         for test, figures in names.items():
             t = r["tests"].get(test)
