@@ -264,7 +264,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, counted = rank_share(prompts, rank, world), first_copies(len(prompts), rank, world)
-    sums = torch.zeros(4, dtype=torch.float64)  # count, rule correct, rm score, length
+    sums = torch.zeros(5, dtype=torch.float64)  # count, rule correct, rm score, length, rm score squared
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
         response = generate(actor, batch, tokenizer, max_new_tokens, gathering=gathering)
@@ -282,6 +282,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
             attn = torch.cat([batch["attention_mask"].to(actor.device), rmask], 1)
             rm = losses.gather_at(reward(input_ids=seq, attention_mask=attn), losses.end_indices(attn)).float().cpu()
             sums[2] += rm[:k].sum().item()
+            sums[4] += rm[:k].double().pow(2).sum().item()
         if samples is not None and i == 0:
             samples += [{"prompt": p, "answer": a, "rule": rules[j] if rules else None,
                          "rm_score": round(rm[j].item(), 4) if rm is not None else None}
@@ -293,4 +294,6 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
         out["eval/accuracy"] = sums[1].item() / n
     if reward is not None:
         out["eval/rm_score"] = sums[2].item() / n
+        # The spread over prompts: what the noise of a difference of two evaluations is made of.
+        out["eval/rm_score_std"] = max(sums[4].item() / n - out["eval/rm_score"] ** 2, 0.0) ** 0.5
     return out

@@ -478,14 +478,52 @@ def test_a_bad_rule_reference_fails_at_compose_time_naming_it(tmp_path):
 def test_hacking_warning_needs_a_real_accuracy_drop_while_the_reward_model_score_rises():
     from rlhf.runners.ppo import hacking_warning
 
-    best = {"eval/accuracy": 0.44, "eval/rm_score": 0.63}
-    # 256 prompts at p=0.44: the noise of a difference is 2*sqrt(2*0.44*0.56/256) = 0.0877.
-    hacked = {"eval/accuracy": 0.27, "eval/rm_score": 1.54}
-    assert "rose 0.630 -> 1.540 while rule accuracy fell 0.440 -> 0.270" in hacking_warning(best, hacked, 256)
-    assert "0.088 noise of 256 prompts" in hacking_warning(best, hacked, 256)
-    assert hacking_warning(best, {"eval/accuracy": 0.36, "eval/rm_score": 1.54}, 256) is None, "within noise"
-    assert hacking_warning(best, {"eval/accuracy": 0.27, "eval/rm_score": 0.50}, 256) is None, "both fell"
-    assert hacking_warning(best, {"eval/accuracy": 0.27}, 256) is None, "no reward model: nothing to game"
+    best = {"eval/accuracy": 0.44, "eval/rm_score": 0.63, "eval/rm_score_std": 1.0}
+    hacked = {"eval/accuracy": 0.27, "eval/rm_score": 1.54, "eval/rm_score_std": 1.0}
+    # 256 prompts, mean accuracy 0.355, the best of 1 earlier evaluation (z = 2): the accuracy noise is
+    # 2 * sqrt(2 * 0.355 * 0.645 / 256) = 0.0846; the score's, 2 * sqrt((1 + 1) / 256) = 0.177.
+    why = hacking_warning(best, hacked, 256, 1)
+    assert "rose 0.630 -> 1.540 (more than its 0.177 noise) while rule accuracy fell 0.440 -> 0.270" in why
+    assert "0.085 noise of 256 prompts below the best of 1 evaluations" in why
+    # The best of 10 earlier evaluations: z = Phi^-1(1 - 0.02275 / 10) = 2.838, noise 0.120.
+    assert "0.120 noise of 256 prompts below the best of 10" in hacking_warning(best, hacked, 256, 10)
+    assert hacking_warning(best, {**hacked, "eval/accuracy": 0.36}, 256, 1) is None, "within noise"
+    assert hacking_warning(best, {**hacked, "eval/accuracy": 0.33}, 256, 10) is None, "within the best of 10's noise"
+    assert hacking_warning(best, {**hacked, "eval/rm_score": 0.75}, 256, 1) is None, "the score's rise is noise"
+    assert hacking_warning(best, {**hacked, "eval/rm_score": 0.50}, 256, 1) is None, "both fell"
+    assert hacking_warning(best, {"eval/accuracy": 0.27}, 256, 1) is None, "no reward model: nothing to game"
+
+
+@pytest.mark.parametrize("p,n", [(0.5, 64), (0.8, 64), (0.3, 128)])
+@pytest.mark.parametrize("score", ["noise", "rising"])
+def test_hacking_warning_on_pure_noise_fires_at_most_at_its_stated_rate(p, n, score):
+    """Evaluations of a policy whose accuracy does not change (Binomial(n, p) / n), judged as the run
+    judges them: the best so far is the most accurate, and each later evaluation is tested against it.
+    The reward model's mean score is noise (normal with its standard error), or rises by a sure 1 each
+    time, which leaves the accuracy's test alone to decide. Either way the warning fires at no more
+    than FALSE_ALARM of the tests (two standard errors' one-sided tail, 2.3%)."""
+    import numpy as np
+
+    from rlhf.runners.ppo import FALSE_ALARM, hacking_warning
+
+    rng, fires, tests = np.random.default_rng(0), 0, 0
+    # 10,000 runs of 8 evaluations: 70,000 tests, the rate's standard error about 0.05%.
+    accuracy = rng.binomial(n, p, size=(10_000, 8)) / n
+    rm = rng.normal(0.0, 1.0 / math.sqrt(n), size=accuracy.shape) if score == "noise" else np.arange(8.0) + 0 * accuracy
+    for run_acc, run_rm in zip(accuracy.tolist(), rm.tolist(), strict=True):
+        best, seen = None, 0
+        for acc, rm_score in zip(run_acc, run_rm, strict=True):
+            now = {"eval/accuracy": acc, "eval/rm_score": rm_score, "eval/rm_score_std": 1.0 if score == "noise" else 0.0}
+            if best is not None:
+                tests += 1
+                fires += hacking_warning(best, now, n, seen) is not None
+            seen += 1
+            if best is None or now["eval/accuracy"] > best["eval/accuracy"]:
+                best = now
+    assert FALSE_ALARM == pytest.approx(0.02275, abs=1e-5)
+    assert fires / tests <= FALSE_ALARM, f"{fires} of {tests}"
+    if score == "rising":  # the accuracy's test alone is used up to near its level, not switched off
+        assert fires / tests > FALSE_ALARM / 2, f"{fires} of {tests}"
 
 
 def test_without_a_rule_the_run_says_it_cannot_tell_learning_from_hacking():

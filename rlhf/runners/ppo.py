@@ -22,6 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 import torch
 import torch.distributed as dist
@@ -319,20 +320,36 @@ def rollout_metrics(exp: Experience, truth) -> dict[str, float]:
     return out
 
 
-def hacking_warning(best: dict, now: dict, n_prompts: int) -> str | None:
-    """The reward model is being gamed: since the best evaluation its score on the held-out greedy
-    answers rose while the rule's accuracy fell by more than two standard errors of the difference
-    between two evaluations of ``n_prompts`` prompts (so that noise alone rarely warns)."""
+# The warnings' false-alarm level: one-sided, the tail of two standard errors of a normal estimate.
+FALSE_ALARM = NormalDist().cdf(-2.0)
+
+
+def hacking_warning(best: dict, now: dict, n_prompts: int, earlier: int = 1) -> str | None:
+    """The reward model is being gamed: since the best evaluation, picked as the most accurate of
+    ``earlier`` evaluations of the same ``n_prompts`` prompts, both
+    (1) the rule's accuracy fell by more than z standard errors of the difference of two evaluations,
+        sqrt(2 p (1 - p) / n) at p their mean accuracy, with z = Phi^-1(1 - FALSE_ALARM / earlier):
+        the best of ``earlier`` is their maximum, and by the union bound noise alone puts a maximum of
+        ``earlier`` that far above a new evaluation with probability at most FALSE_ALARM; and
+    (2) the reward model's mean score rose by more than two standard errors of the difference, each
+        from the spread of its scores over the prompts (eval/rm_score_std).
+    Each condition alone is met by noise with probability at most FALSE_ALARM (2.3%), so noise alone
+    fires the warning at any one evaluation with probability at most that (far less where the two
+    noises are independent)."""
     keys = ("eval/accuracy", "eval/rm_score")
     if not all(k in d for d in (best, now) for k in keys):
         return None
-    p = best["eval/accuracy"]
-    drop, rise = p - now["eval/accuracy"], now["eval/rm_score"] - best["eval/rm_score"]
-    noise = 2 * (2 * max(p * (1 - p), 0.01) / max(n_prompts, 1)) ** 0.5
-    if drop > noise and rise > 0:
+    p = (best["eval/accuracy"] + now["eval/accuracy"]) / 2
+    n = max(n_prompts, 1)
+    z = NormalDist().inv_cdf(1 - FALSE_ALARM / max(earlier, 1))
+    drop, rise = best["eval/accuracy"] - now["eval/accuracy"], now["eval/rm_score"] - best["eval/rm_score"]
+    noise = z * (2 * max(p * (1 - p), 0.01) / n) ** 0.5
+    rm_noise = 2 * ((best.get("eval/rm_score_std", 0.0) ** 2 + now.get("eval/rm_score_std", 0.0) ** 2) / n) ** 0.5
+    if drop > noise and rise > rm_noise:
         return (f"reward hacking: the reward model's score on held-out greedy answers rose {best['eval/rm_score']:.3f} -> "
-                f"{now['eval/rm_score']:.3f} while rule accuracy fell {p:.3f} -> {now['eval/accuracy']:.3f} "
-                f"(more than the {noise:.3f} noise of {n_prompts} prompts): the policy is learning the reward "
+                f"{now['eval/rm_score']:.3f} (more than its {rm_noise:.3f} noise) while rule accuracy fell "
+                f"{best['eval/accuracy']:.3f} -> {now['eval/accuracy']:.3f} (more than the {noise:.3f} noise of "
+                f"{n_prompts} prompts below the best of {earlier} evaluations): the policy is learning the reward "
                 "model's mistakes. Lower optim.lr, raise step.kl_coef or set step.kl_target, or train a better "
                 "reward model")
     return None
@@ -471,7 +488,7 @@ def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompt
     step_cfg, (actor_path, critic_path, reward_path) = cfg.step, paths
     # The data's rule (data.rule, or the shipped tasks' on their prompts) measures greedy accuracy and
     # the truth of the rollouts even when it is not part of the reward: the check against the truth.
-    data_rule = rewards.task_rule(cfg.data.rule, [p["prompt"] for p in eval_prompts])
+    data_rule = rewards.data_rule(cfg.data, [p["prompt"] for p in eval_prompts], tokenizer)
     rule_fn = None
     if step_cfg.reward_fn == rewards.DATA_RULE:
         if data_rule is None:
@@ -479,7 +496,7 @@ def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompt
                               "package.module:function, or give step.reward_fn such a reference")
         rule_fn = data_rule
     elif step_cfg.reward_fn:
-        rule_fn = rewards.resolve(step_cfg.reward_fn, "step.reward_fn")
+        rule_fn = rewards.reference_rule(step_cfg.reward_fn, "step.reward_fn", cfg.data, tokenizer)
     dtype, trust = engine_factory.model_dtype(cfg), cfg.model.trust_remote_code
     with engine_factory.loading_context(cfg):
         actor_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, trust)
@@ -513,7 +530,7 @@ class Judge:
     gathering: int
     best: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    history: list[tuple[int, float]] = field(default_factory=list)  # (step, select accuracy) of this process
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, select accuracy) of every evaluation
 
     def evaluate(self, step: int, reported: bool, final_step: int) -> dict[str, float]:
         """Greedy answers to the select half (select/*), and to the reported half (eval/*) where
@@ -539,7 +556,8 @@ class Judge:
         if "eval/accuracy" not in chosen:
             return metrics
         self.history.append((step, chosen["eval/accuracy"]))
-        if self.best and (why := hacking_warning(self.best["select"], chosen, len(self.prompts.select))) \
+        earlier = len(self.history) - 1  # the evaluations the best was picked from
+        if self.best and (why := hacking_warning(self.best["select"], chosen, len(self.prompts.select), earlier)) \
                 and not any("reward hacking" in w for w in self.warnings):
             self.warnings.append(f"step {step}: {why}")
             if rank == 0:
@@ -641,7 +659,7 @@ def run(cfg: Config) -> dict:
         step, start_epoch, skip = resumed["step"], resumed["epoch"], resumed["batch_index"]
         first, last, last_eval_step = resumed["first"], resumed["last"], resumed["last_eval_step"]
         fingerprints = {k: tuple(v) for k, v in resumed["fingerprints"].items()}
-        judge.best, judge.warnings = resumed["best"], resumed["warnings"]
+        judge.best, judge.warnings, judge.history = resumed["best"], resumed["warnings"], resumed.get("history", [])
         kl_ctl.load_state_dict(resumed["kl_ctl"])
         moments.load_state_dict(resumed["moments"])
         generator.set_state(resumed["generator"])
@@ -658,8 +676,8 @@ def run(cfg: Config) -> dict:
     def state(epoch: int, batch_index: int) -> dict:
         return {"step": step, "epoch": epoch, "batch_index": batch_index, "first": first, "last": last,
                 "last_eval_step": last_eval_step, "fingerprints": fingerprints, "best": judge.best,
-                "warnings": judge.warnings, "kl_ctl": kl_ctl.state_dict(), "moments": moments.state_dict(),
-                "generator": generator.get_state(), "ema": ema}
+                "warnings": judge.warnings, "history": judge.history, "kl_ctl": kl_ctl.state_dict(),
+                "moments": moments.state_dict(), "generator": generator.get_state(), "ema": ema}
 
     last_kl = float("nan")  # the latest rollout batch's KL to the reference
     bar = tqdm(total=prompts.steps, initial=step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
