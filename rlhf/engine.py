@@ -167,6 +167,15 @@ def build_train_engine(model: torch.nn.Module, cfg: Config, total_steps: int, lr
     return engine, config
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout layer of ``model`` to p = 0, PEFT's LoRA dropout (lora.dropout) included: the
+    model config's dropout keys do not reach the adapters, whose dropout would make a policy's
+    log-probs noisy where its step scores it as its frozen reference is scored (without dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
 def build_frozen_engine(model: torch.nn.Module, cfg: Config, offload: bool = False):
     """An inference-only engine: no optimizer, no gradients, parameters partitioned under ZeRO-3
     (and kept in host memory with ``offload``)."""

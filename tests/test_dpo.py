@@ -161,3 +161,31 @@ def test_sft_then_simpo_chain(tmp_path):
     assert list(manifest["steps"]) == ["sft", "simpo"]
     assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["simpo"]["overrides"]
     assert (tmp_path / "simpo" / "model" / "config.json").exists()
+
+
+@pytest.mark.parametrize("step", ["dpo", "simpo", "ppo"])
+def test_disable_dropout_reaches_the_lora_adapters(tmp_path, step):
+    """lora.dropout=0.5 on a policy its step trains without dropout (DPO / SimPO's step.disable_dropout,
+    PPO's update): every dropout layer of the engine the runner builds, PEFT's lora_dropout included,
+    has p = 0; the same LoRA config with dropout kept (step.disable_dropout=false) keeps it."""
+    from rlhf import models
+    from rlhf.runners import common, ppo
+    from rlhf.worker import init_distributed
+
+    def dropouts(engine) -> dict[str, float]:
+        return {n: m.p for n, m in engine.module.named_modules() if isinstance(m, torch.nn.Dropout)}
+
+    reward = ["step.reward_fn=synthetic", "step.reward_model_weight=0", "step.advantage_estimator=reinforce_pp"]
+    cfg = to_schema(compose([f"step={step}", "model=tiny-llama", "lora.rank=4", "lora.dropout=0.5",
+                             *(reward if step == "ppo" else []), f"run_dir={tmp_path}"]))
+    init_distributed(cfg)
+    path = models.resolve_path(cfg.model)
+    tokenizer = models.load_tokenizer(path)
+    if step == "ppo":
+        engine = ppo.build_roles(cfg, tokenizer, (path, "", ""), [], 1).actor
+    else:
+        engine = common.train_engine(cfg, models.load_causal_lm, path, tokenizer, 1, "actor", dropout=0.0)[0]
+        kept = common.train_engine(cfg, models.load_causal_lm, path, tokenizer, 1, "actor")[0]
+        assert any(p == 0.5 for n, p in dropouts(kept).items() if "lora_dropout" in n)
+    found = dropouts(engine)
+    assert any("lora_dropout" in n for n in found) and set(found.values()) == {0.0}, found

@@ -233,7 +233,8 @@ class LoraConfig:
     rank: int = 0
     # LoRA scaling numerator (the update is scaled by alpha / rank).
     alpha: float = 16.0
-    # Dropout on the LoRA branch input.
+    # Dropout on the LoRA branch input (SFT and reward; off where a step disables dropout: PPO, and DPO /
+    # SimPO with step.disable_dropout).
     dropout: float = 0.0
     # Modules that get adapters: names or suffixes, or ["all-linear"] (PEFT's every linear but the head).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])

@@ -83,7 +83,7 @@ def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int
     load_reward_model; sharded while loading under ZeRO-3) and wrapped by the engine factory, its
     DeepSpeed JSON written to ds_config.json beside those of the step's ``frozen`` roles (name ->
     DeepSpeed JSON); returns it with its parameter count and the checkpointer that saves it.
-    ``dropout`` overrides model.dropout."""
+    ``dropout`` overrides model.dropout; 0.0 also turns off LoRA's dropout (lora.dropout)."""
     import torch.distributed as dist
 
     from rlhf import engine as engine_factory
@@ -94,6 +94,8 @@ def train_engine(cfg: Config, load, model_path: str, tokenizer, total_steps: int
                      cfg.model.dropout if dropout is None else dropout,
                      cfg.model.trust_remote_code)
     engine, ds_cfg = engine_factory.build_train_engine(model, cfg, total_steps)
+    if dropout == 0.0:  # the model's and the LoRA adapters' alike
+        engine_factory.disable_dropout(engine.module)
     if dist.get_rank() == 0:
         (Path(cfg.run_dir) / "ds_config.json").write_text(json.dumps({role: ds_cfg, **(frozen or {})}, indent=2))
     ckpt = Checkpointer(Path(cfg.run_dir), {role: engine}, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last)

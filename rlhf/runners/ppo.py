@@ -505,6 +505,9 @@ def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompt
         reward_model = (models.load_reward_model(reward_path, tokenizer, dtype, 0.0, trust)
                         if step_cfg.reward_model_weight > 0 else None)
     actor, actor_ds = engine_factory.build_train_engine(actor_model, cfg, max(total_updates, 1))
+    # Updated without dropout, LoRA's included: the ratio's old and new log-probs and the reference's
+    # are all of the same dropout-free forward.
+    engine_factory.disable_dropout(actor.module)
     ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
     critic, critic_ds = (engine_factory.build_train_engine(critic_model, cfg, max(total_updates, 1),
                                                            lr=step_cfg.critic_lr, use_lora=False)
