@@ -258,6 +258,10 @@ class Checkpointer:
                 for old in kept[: max(len(kept) - self.keep_last, 0)]:
                     shutil.rmtree(old, ignore_errors=True)
         self._barrier()
+        if self.rank == 0:  # after the barrier: the other ranks train on while rank 0 draws
+            from rlhf import curves
+
+            curves.refresh(self.root.parent, at_checkpoint=True)
         return final
 
     def _kept(self) -> str:

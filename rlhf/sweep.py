@@ -28,6 +28,9 @@ OBJECTIVES: dict[str, tuple[str, str]] = {
     "dpo": ("eval/pref_acc", "max"),
     "simpo": ("eval/pref_acc", "max"),
 }
+# Keys that change how a step's objective is measured: jobs that differ in one are not ranked
+# against each other by it (SFT's perplexity over answer tokens vs over every token).
+MEASURED_WITH: dict[str, tuple[str, ...]] = {"sft": ("step.loss_on",)}
 RESULT_FILE = "metrics.json"
 
 
@@ -132,8 +135,9 @@ def _swept(rows: list[dict]) -> dict[str, list[str]]:
     return {k: v for k, v in values.items() if len(set(v)) > 1}
 
 
-def write_tables(rows: list[dict], out: Path) -> dict[str, Path]:
-    """results.csv and results.md sorted by the objective (failed jobs last), results.png plot."""
+def write_tables(rows: list[dict], out: Path, trials: bool = False) -> dict[str, Path]:
+    """results.csv and results.md sorted by the objective (failed jobs last), results.png plot
+    (``trials``: an Optuna search, whose trials are also drawn in order)."""
     if not rows:
         return {}
     # Rows without a result (incomplete, not started) carry no objective: take it from one that does.
@@ -154,9 +158,15 @@ def write_tables(rows: list[dict], out: Path) -> dict[str, Path]:
         csv.writer(f).writerows([header, *table])
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in table]
-    paths["md"].write_text(f"Sweep results, sorted by {objective_name} ({mode}imize)\n\n" + "\n".join(lines) + "\n")
+    unlike = [k for k in _swept(ok) if k in MEASURED_WITH.get(ok[0].get("step", ""), ())] if ok else []
+    caveat = (f"WARNING: the jobs differ in {', '.join(unlike)}, which changes how {objective_name} is measured: "
+              "the ranking compares unlike figures\n\n" if unlike else "")
+    if unlike:
+        print(f"[sweep] {caveat.strip()}", flush=True)
+    paths["md"].write_text(f"Sweep results, sorted by {objective_name} ({mode}imize)\n\n{caveat}" + "\n".join(lines)
+                           + "\n")
     if ok:
-        _plot(ok, paths["png"])
+        plot(ok, paths["png"], out, trials)
     else:  # a dry-run sweep, or every job failed: no figure rather than empty axes
         paths.pop("png").unlink(missing_ok=True)
     return paths
@@ -166,30 +176,117 @@ def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else ("" if v is None else str(v))
 
 
-def _plot(ok: list[dict], path: Path) -> None:
-    import matplotlib
+def _value(v: str) -> str:
+    """A value as a label: Hydra's quotes stripped ('0' reads 0)."""
+    return v.strip("'\"")
 
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
 
-    swept = _swept(ok) or {"job": [r["job"] for r in ok]}
-    fig, axes = plt.subplots(1, len(swept), figsize=(4.5 * len(swept), 3.5), squeeze=False)
-    objective_name = ok[0]["objective"] if ok else "objective"
-    for ax, key in zip(axes[0], swept, strict=True):
-        xs = [dict(_shown(o).partition("=")[::2] for o in r["overrides"]).get(key, r["job"]) for r in ok]
+def _numbers(values: list[str]) -> list[float] | None:
+    try:
+        return [float(_value(v)) for v in values]
+    except ValueError:
+        return None
+
+
+def _log_axis(key: str, x: list[float]) -> bool:
+    """Learning rates, and any positive key whose values span a decade or more, on a log axis."""
+    if not x or min(x) <= 0 or len(set(x)) < 2:
+        return False
+    return max(x) / min(x) >= 10 or key.rsplit(".", 1)[-1] in ("lr", "learning_rate")
+
+
+def _job_curve(sweep_dir: Path, row: dict, key: str) -> tuple[list[float], list[float]]:
+    """A job's logged ``key`` by step: its metrics.jsonl, or a chain's last step's."""
+    job = sweep_dir / row["job"]
+    path = job / "metrics.jsonl"
+    if not path.exists() and (job / "manifest.json").exists():
+        steps = json.loads((job / "manifest.json").read_text()).get("steps", {})
+        path = Path(list(steps.values())[-1]["run_dir"]) / "metrics.jsonl" if steps else path
+    xs, ys = [], []
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            x = [float(v) for v in xs]
-            ax.set_xscale("log" if min(x) > 0 and max(x) / min(x) > 50 else "linear")
-        except ValueError:
-            x = xs
-        ax.scatter(x, [r["value"] for r in ok])
+            point = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(point.get(key), int | float) and math.isfinite(point[key]):
+            xs.append(point["step"])
+            ys.append(point[key])
+    return xs, ys
+
+
+def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
+    """results.png: the objective against each swept key (log axes for learning rates and keys that
+    span decades; the other swept keys as colour), every job's held-out curve of the objective, and
+    with ``trials`` (an Optuna search) the objective by trial in launch order with the best so far.
+    Returns the Figure."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    objective_name, mode = ok[0]["objective"], ok[0]["mode"]
+    settings = [dict(_shown(o).partition("=")[::2] for o in r["overrides"]) for r in ok]
+    swept = list(_swept(ok))
+    groups = {key: [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept if k != key) for s in settings]
+              for key in swept}
+    values = [r["value"] for r in ok]
+    log_y = min(values) > 0 and max(values) / min(values) >= 10
+    curves = [_job_curve(sweep_dir, r, objective_name) for r in ok]
+    n = len(swept) + any(xs for xs, _ in curves) + trials
+    fig = Figure(figsize=(4.6 * max(n, 1), 3.8), layout="constrained")
+    axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
+    colour_of: dict[str, str] = {}
+    for ax, key in zip(axes, swept, strict=False):
+        raw = [s.get(key, "") for s in settings]
+        x = _numbers(raw)
+        if x is None:  # categories, in the order the sweep ran them
+            order = list(dict.fromkeys(map(_value, raw)))
+            x = [float(order.index(_value(v))) for v in raw]
+            ax.set_xticks(range(len(order)), order)
+        elif _log_axis(key, x):
+            ax.set_xscale("log")
+        labels = groups[key]
+        for i, label in enumerate(dict.fromkeys(labels)):
+            points = sorted((xi, yi) for xi, yi, g in zip(x, values, labels, strict=True) if g == label)
+            colour = colour_of.setdefault(label, f"C{len(colour_of) % 10}") if label else "C0"
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colour, label=label or None,
+                    markersize=6 - min(i, 3))
+        if any(labels):
+            ax.legend(fontsize=8, frameon=False, title=None)
+        if log_y:
+            ax.set_yscale("log")
         ax.set_xlabel(key)
-        ax.set_ylabel(objective_name)
+        ax.set_ylabel(f"{objective_name} ({mode})")
+        ax.grid(alpha=0.3, which="both")
+    rest = list(axes[len(swept):])
+    if any(xs for xs, _ in curves):
+        ax = rest.pop(0)
+        for i, ((xs, ys), s) in enumerate(zip(curves, settings, strict=True)):
+            label = ", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept) or ok[i]["job"]
+            ax.plot(xs, ys, "o-", markersize=3, color=f"C{i % 10}", label=label)
+        ax.set_title(f"held-out {objective_name} per job", fontsize=10)
+        ax.set_xlabel("step")
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        if len(ok) <= 12:
+            ax.legend(fontsize=7, frameon=False)
+    if trials:
+        ax = rest.pop(0)
+        order = sorted(range(len(ok)), key=lambda i: int(ok[i]["job"]) if ok[i]["job"].isdigit() else i)
+        ys = [values[i] for i in order]
+        best = [min(ys[: j + 1]) if mode == "min" else max(ys[: j + 1]) for j in range(len(ys))]
+        ax.plot(range(len(ys)), ys, "o", label="trial")
+        ax.step(range(len(ys)), best, where="post", color="C3", label="best so far")
+        ax.set_title("trials in order", fontsize=10)
+        ax.set_xlabel("trial")
+        ax.set_ylabel(f"{objective_name} ({mode})")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(handles=[Line2D([], [], marker="o", linestyle="", color="C0"), Line2D([], [], color="C3")],
+                  labels=["trial", "best so far"], fontsize=8, frameon=False)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{objective_name} over the sweep ({len(ok)} finished jobs)")
-    fig.tight_layout()
+    fig.suptitle(f"{objective_name} over the sweep ({len(ok)} finished jobs; {'lower' if mode == 'min' else 'higher'} "
+                 "is better)")
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 class SweepTable(Callback):
@@ -214,7 +311,8 @@ class SweepTable(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         atexit.unregister(self._stopped_early)
         sweep_dir = Path(config.hydra.sweep.dir)
-        paths = write_tables(collect(sweep_dir, planned_jobs(config)), sweep_dir)
+        planned = planned_jobs(config)
+        paths = write_tables(collect(sweep_dir, planned), sweep_dir, trials=planned is None)
         if paths:
             print(f"[sweep] results: {' '.join(map(str, paths.values()))}", flush=True)
 
@@ -222,7 +320,7 @@ class SweepTable(Callback):
         rows = collect(self.sweep_dir, self.planned)
         if not any(r["job"] for r in rows):
             return  # no job started: nothing to tell apart
-        paths = write_tables(rows, self.sweep_dir)
+        paths = write_tables(rows, self.sweep_dir, trials=self.planned is None)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "dry-run", "failed", "incomplete", "not started")}
         print("[sweep] the sweep stopped before all its jobs returned: "
               + ", ".join(f"{n} {s}" for s, n in counts.items() if n)

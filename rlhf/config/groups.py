@@ -406,14 +406,22 @@ class LaunchConfig:
 class LoggingConfig:
     # Show progress bars on rank 0.
     progress_bar: bool = True
-    # Log to Weights & Biases as well as metrics.jsonl (offline unless WANDB_API_KEY is set).
+    # Log to Weights & Biases as well as metrics.jsonl.
     wandb: bool = False
+    # online, offline or disabled; empty: W&B's own settings (WANDB_MODE, `wandb online/offline`)
+    # where a credential exists (WANDB_API_KEY, `wandb login`), offline where none does.
+    wandb_mode: str = ""
     # Weights & Biases project.
     wandb_project: str = "rlhf"
     # Weights & Biases group: one per sweep, so its runs compare side by side; empty: none.
     wandb_group: str = ""
     # Also write TensorBoard event files into RUN_DIR/tensorboard.
     tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r}: online, offline, disabled, or empty for W&B's "
+                              "own settings")
 
 
 @dataclass

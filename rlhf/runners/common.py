@@ -69,7 +69,7 @@ def greedy_check(cfg: Config, eval_prompts: list[str], tokenizer, report) -> tup
     from rlhf import rewards, rollout
     from rlhf.data.blend import heldout_split
 
-    rule = rewards.task_rule(cfg.data.rule, eval_prompts)
+    rule = rewards.data_rule(cfg.data, eval_prompts, tokenizer)
     rows = heldout_split(eval_prompts, cfg.data.seed, cfg.step.eval_accuracy_prompts)[1]
     if not cfg.step.eval_accuracy_prompts or rule is None or not rows:
         return rule, []
@@ -140,7 +140,7 @@ def open_logger(cfg: Config, rank: int, fresh: bool = True) -> MetricsLogger:
     wandb_cfg = ({"project": cfg.logging.wandb_project, "group": cfg.logging.wandb_group or None,
                   "name": Path(cfg.run_dir).name, "config": asdict(cfg)} if cfg.logging.wandb else None)
     return MetricsLogger(cfg.run_dir, enabled=rank == 0, wandb_cfg=wandb_cfg, tensorboard=cfg.logging.tensorboard,
-                         fresh=fresh)
+                         fresh=fresh, wandb_mode=cfg.logging.wandb_mode)
 
 
 class Throughput:
@@ -221,10 +221,14 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
         if save_more is not None:
             save_more(final)
     if rank == 0:
+        from rlhf import curves
+
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
+        curves.refresh(run_dir)
         where = f"model {run_dir / 'model'}, " if cfg.step.save_model else ""
-        say(f"[{cfg.step.name}] done: {where}metrics {run_dir / 'metrics.jsonl'}, final figures "
-            f"{run_dir / 'final_metrics.json'}")
+        say(f"[{cfg.step.name}] done: {where}metrics {run_dir / 'metrics.jsonl'}, curves {run_dir / curves.FIGURE}, "
+            f"final figures {run_dir / 'final_metrics.json'}")
+    logger.summarize(final, step)
     logger.close()
     return final
 
