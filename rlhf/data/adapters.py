@@ -1,9 +1,10 @@
 """Adapters from the datasets DeepSpeed-Chat knows (its raw_datasets.py) to our common columns.
 
 Each adapter maps one row of the dataset's own layout to ``prompt`` (in the " Human: ...
-Assistant:" convention), ``chosen`` (the preferred answer, used for SFT too) and ``rejected``
-("" where the dataset has no second answer: such rows serve SFT and are dropped and counted by the
-reward step). The registry key is the hub id, so ``data.sources=[{path: Dahoas/rm-static}]`` works
+Assistant:" convention), ``chosen`` (the preferred answer, used for SFT too; for prompts with a
+checkable answer, the reference a rule compares against) and ``rejected`` ("" where the dataset has
+no second answer: such rows serve SFT and PPO; the pairwise steps drop them, and refuse a source that
+has none). The registry key is the hub id, so ``data.sources=[{path: Dahoas/rm-static}]`` works
 unchanged; a local copy in the same layout uses ``adapter: Dahoas/rm-static``. Any other file maps
 its columns with ``columns: {prompt: question, chosen: answer}``.
 
@@ -97,6 +98,17 @@ def _qag_jaquad(row: Row) -> Row:
     return {"prompt": _human(row["questions"][0]), "chosen": _answer(row["paragraph"]), "rejected": ""}
 
 
+def _gsm8k(row: Row) -> Row:
+    # A grade-school word problem; the answer is the worked solution ending in "#### <number>", which
+    # SFT learns and the `math` rule reads the final number of.
+    return {"prompt": _human(row["question"]), "chosen": _answer(row["answer"]), "rejected": ""}
+
+
+def _math(row: Row) -> Row:
+    # A competition problem; the solution marks its final answer with \\boxed{} (the `math` rule).
+    return {"prompt": _human(row["problem"]), "chosen": _answer(row["solution"]), "rejected": ""}
+
+
 def _local_jsonfile(row: Row) -> Row:
     return {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row.get("rejected") or ""}
 
@@ -118,7 +130,13 @@ ADAPTERS: dict[str, Adapter] = {
     "lmqg/qg_jaquad": _qg_jaquad,
     "lmqg/qag_jaquad": _qag_jaquad,
     "local/jsonfile": _local_jsonfile,
+    # Prompts with a checkable answer (no rejected answers: SFT and PPO/GRPO against data.rule=math).
+    "openai/gsm8k": _gsm8k,
+    "hendrycks/competition_math": _math,
+    "DigitalLearningGmbH/MATH-lighteval": _math,
 }
+# The dataset configuration a hub id needs (load_dataset's second argument).
+HUB_CONFIGS = {"openai/gsm8k": "main"}
 # Hub datasets whose id differs from the adapter name (DeepSpeed-Chat's names for mkqa's languages).
 HUB_IDS = {"mkqa-Chinese": "mkqa", "mkqa-Japanese": "mkqa"}
 # Splits DeepSpeed-Chat evaluates on, where a dataset has one ("train" only: the split carves eval rows).
@@ -126,7 +144,8 @@ EVAL_SPLITS = {"Dahoas/rm-static": "test", "Dahoas/full-hh-rlhf": "test",
                "yitingxie/rlhf-reward-datasets": "test", "stanfordnlp/SHP": "validation",
                "pvduy/sharegpt_alpaca_oa_vicuna_format": "test", "lmqg/qg_jaquad": "validation",
                "lmqg/qag_jaquad": "validation", "Cohere/miracl-zh-queries-22-12": "dev",
-               "Cohere/miracl-ja-queries-22-12": "dev"}
+               "Cohere/miracl-ja-queries-22-12": "dev", "openai/gsm8k": "test", "hendrycks/competition_math": "test",
+               "DigitalLearningGmbH/MATH-lighteval": "test"}
 
 
 def map_columns(columns: dict[str, str]) -> Adapter:

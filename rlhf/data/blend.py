@@ -21,7 +21,7 @@ import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
 from rlhf.config import STEPS, ConfigError, DataConfig, DataError, SourceConfig, looks_local
-from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_IDS, map_columns, render_conversation
+from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_CONFIGS, HUB_IDS, map_columns, render_conversation
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -65,12 +65,20 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
         name = "conversation"
 
         def fn(row: dict) -> dict:
-            prompt, chosen = render_conversation(row["messages"], tokenizer)
+            messages = row["messages"]
+            if messages and messages[-1].get("role") != "assistant" and row.get("answer"):
+                # A question with a reference answer: the answer is the assistant's turn to learn.
+                messages = [*messages, {"role": "assistant", "content": row["answer"]}]
+            prompt, chosen = render_conversation(messages, tokenizer)
             rejected = row.get("rejected") or ""
             if isinstance(rejected, list):  # a rejected conversation: its last answer
                 rejected = render_conversation(rejected, tokenizer)[1]
             return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     else:
+        if "chosen" not in ds.column_names and "answer" in ds.column_names:
+            # Prompt-and-answer rows (a question with its reference answer): the answer is what SFT
+            # learns and what a rule with a reference compares against; no rejected answer.
+            ds = ds.rename_column("answer", "chosen")
         missing = [c for c in ("prompt", "chosen") if c not in ds.column_names]
         if missing:
             raise DataError(f"{key}.path={src.path!r} has no column {missing[0]!r} (columns: {ds.column_names}); "
@@ -137,7 +145,7 @@ def _raw(src: SourceConfig, split: str, key: str, on_bad_row: str = "drop",
     """One split of a source as datasets loads it, and what names it in messages (file or hub id)."""
     path = os.path.expanduser(src.path)
     if not looks_local(src.path):
-        return load_dataset(HUB_IDS.get(src.path, src.path), split=split), src.path
+        return load_dataset(HUB_IDS.get(src.path, src.path), HUB_CONFIGS.get(src.path), split=split), src.path
     p = Path(path)
     if p.is_dir():
         files = _split_files(p)
@@ -244,6 +252,10 @@ def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=Non
     trains, evals = [], []
     for i, src in enumerate(cfg.sources):
         full = load_source(src, src.train_split, i, tokenizer, cfg.on_bad_row, report)
+        if STEPS[step].rows == "pairs" and not any(full["rejected"]):
+            raise DataError(f"data.sources[{i}] ({src.path}) has no rejected answers (prompt-and-answer rows): "
+                            f"step {step} learns from preference pairs. Give it a source with chosen and rejected "
+                            "answers, or train on these rows with SFT and PPO/GRPO against a rule (pipeline=rlvr)")
         trains.append(split_part(full, cfg.split_fractions, part, _seed_for(cfg.seed, src.path)))
         evals.append(load_source(src, src.eval_split, i, tokenizer, cfg.on_bad_row, report))
         report.sources[src.path] = {"train_rows": len(full), f"{step}_part_rows": len(trains[-1]),
@@ -260,3 +272,19 @@ def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=Non
     if 0 < cfg.max_eval_samples < len(eval_ds):
         eval_ds = eval_ds.shuffle(seed=cfg.seed).select(range(cfg.max_eval_samples))
     return train, eval_ds
+
+
+def references(cfg: DataConfig, tokenizer=None) -> dict[str, str]:
+    """Each prompt's reference answer (its row's answer, or chosen) over every source's train and eval
+    rows, rendered as the steps render them: what a rule that takes a reference compares against."""
+    table: dict[str, str] = {}
+    for i, src in enumerate(cfg.sources):
+        for split in dict.fromkeys((src.train_split, src.eval_split)):
+            try:
+                rows = load_source(src, split, i, tokenizer, "drop", None)
+            except DataError:
+                continue  # a single file has no eval split; its train rows were read
+            for prompt, chosen in zip(rows["prompt"], rows["chosen"], strict=True):
+                if chosen:
+                    table.setdefault(prompt, chosen)
+    return table

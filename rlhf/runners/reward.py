@@ -136,7 +136,7 @@ def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> li
         return shipped_candidates(prompts, cfg.step.rule_check_answers, cfg.data.seed)
     if cfg.data.rule:
         rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
-        return rule_candidates(rows.select(heldout_split(rows["prompt"], cfg.data.seed)[1]), rewards.resolve(cfg.data.rule, "data.rule"))
+        return rule_candidates(rows.select(heldout_split(rows["prompt"], cfg.data.seed)[1]), rewards.reference_rule(cfg.data.rule, "data.rule", cfg.data, tokenizer))
     return []
 
 
@@ -161,7 +161,7 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str, report: DataReport) -
         return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
     rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[0].shuffle(seed=cfg.data.seed)
     rows = rows.select(range(min(step_cfg.policy_pairs_prompts, len(rows))))
-    rule = rewards.task_rule(cfg.data.rule, rows["prompt"])
+    rule = rewards.data_rule(cfg.data, rows["prompt"], tokenizer)
     if rule is None:
         return [], {}
     best_known = {r["prompt"]: r["chosen"] for r in rows}

@@ -69,7 +69,7 @@ def run(cfg: Config) -> dict:
     # the stop rule reads one half of the held-out prompts (select/accuracy), the reported figure
     # (eval/accuracy, before training and of the output) comes from the other half.
     select_prompts, report_prompts = [], []
-    rule = rewards.task_rule(cfg.data.rule, eval_prompts)
+    rule = rewards.data_rule(cfg.data, eval_prompts, tokenizer)
     parts = heldout_split(eval_prompts, cfg.data.seed, step_cfg.eval_accuracy_prompts)
     if step_cfg.eval_accuracy_prompts and rule is not None and all(parts):
         select_prompts, report_prompts = (

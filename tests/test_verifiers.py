@@ -1,0 +1,124 @@
+"""Prompts with a checkable answer: the shipped verifiers (math, exact) on hand-worked answers, rows of
+{prompt, answer} (and GSM8K's, MATH's and conversations' shapes) through the data path, a rule that
+receives the reference answer, the pairwise steps' refusal of such a source, and pipeline=rlvr end to end.
+
+    python -m pytest -q tests/test_verifiers.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import compose
+
+from rlhf import rewards
+from rlhf.config import DataError, to_schema
+from rlhf.data.blend import DataReport, load_step_data, references
+from rlhf.launch import run
+from rlhf.verifiers import as_number, final_answer, math_score
+
+QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
+
+
+@pytest.mark.parametrize(("answer", "reference", "right"), [
+    (" 72", "Natalia sold 48/2 = 24 clips in May. 48+24 = 72 #### 72", True),   # GSM8K's reference
+    (" so the total is 1,000.", "#### 1000", True),                              # thousands, prose around it
+    (" 71", "#### 72", False),
+    (" -3", " -3", True),
+    (" 0.5", "$\\boxed{\\frac{1}{2}}$", True),                                   # MATH's reference
+    (" \\boxed{\\dfrac{3}{4}}", "\\boxed{0.75}", True),
+    (" 50%", "#### 0.5", True),
+    (" \\boxed{x + 1}", "the answer is \\boxed{X+1}", True),                     # an expression: as text
+    (" \\boxed{x + 2}", "\\boxed{x+1}", False),
+    (" no idea", "#### 5", False),
+])
+def test_the_math_verifier_on_hand_worked_answers(answer, reference, right):
+    assert math_score("prompt", answer, reference) == float(right)
+
+
+def test_final_answers_and_numbers():
+    assert final_answer("a \\boxed{\\frac{a}{b}} c") == "\\frac{a}{b}"
+    assert final_answer("work #### 12") == "12" and final_answer(" 7") == "7"
+    assert as_number("\\frac{6}{8}") == as_number("0.75") == as_number("3/4")
+    assert as_number("no number") is None
+
+
+def _folder(tmp_path, rows_train, rows_eval, name="qa"):
+    data = tmp_path / name
+    data.mkdir()
+    for split, rows in (("train", rows_train), ("eval", rows_eval)):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def _qa(n, offset=0):
+    return [{"prompt": f" Human: What is {i} + {i}? Assistant:", "answer": f" {2 * i}"} for i in range(offset, offset + n)]
+
+
+def test_prompt_and_answer_rows_serve_sft_and_ppo_and_the_pairwise_steps_refuse_them(tmp_path):
+    data = _folder(tmp_path, _qa(50), _qa(10, 100))
+    cfg = to_schema(compose([f"data.sources=[{{path: {data}}}]", "data.rule=math"])).data
+    train, evals = load_step_data(cfg, "sft", DataReport())
+    assert train[0]["chosen"].strip().isdigit() and not any(train["rejected"])
+    assert len(load_step_data(cfg, "ppo", DataReport())[0]) > 0
+    for step in ("reward", "dpo", "simpo"):
+        with pytest.raises(DataError, match=rf"data.sources\[0\] \({data}\) has no rejected answers "
+                                            rf"\(prompt-and-answer rows\): step {step} learns from preference pairs"):
+            load_step_data(cfg, step, DataReport())
+    # The rule gets each prompt's reference answer, train and eval rows alike.
+    table = references(cfg)
+    assert table[" Human: What is 3 + 3? Assistant:"] == " 6" and table[" Human: What is 105 + 105? Assistant:"] == " 210"
+    rule = rewards.data_rule(cfg, evals["prompt"])
+    assert rule(" Human: What is 105 + 105? Assistant:", " 210") == 1.0
+    assert rule(" Human: What is 105 + 105? Assistant:", " 211") == 0.0
+    with pytest.raises(RuntimeError, match="no row of the data has one for prompt ' Human: What is 7 - 1"):
+        rule(" Human: What is 7 - 1? Assistant:", " 6")
+
+
+def test_a_users_rule_with_a_reference_parameter_receives_it_and_a_two_argument_rule_still_works(tmp_path, monkeypatch):
+    data = _folder(tmp_path, _qa(20), _qa(5, 100))
+    (tmp_path / "my_rules.py").write_text(
+        "def with_ref(prompt, answer, reference):\n    return float(answer.strip() == reference.strip()) * 2.0\n"
+        "def plain(prompt, answer):\n    return float(len(answer))\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = to_schema(compose([f"data.sources=[{{path: {data}}}]", "data.rule=my_rules:with_ref"])).data
+    rule = rewards.data_rule(cfg, [])
+    assert rule(" Human: What is 4 + 4? Assistant:", " 8") == 2.0
+    assert rule(" Human: What is 4 + 4? Assistant:", " 9") == 0.0
+    plain = rewards.task_rule("my_rules:plain", [])
+    assert plain("anything", "abc") == 3.0
+
+
+def test_gsm8k_math_and_conversation_rows_map_to_a_prompt_and_its_reference(tmp_path):
+    gsm = _folder(tmp_path, [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7 #### 7"}] * 3,
+                  [{"question": "2 times 6?", "answer": "2*6=12 #### 12"}], "gsm")
+    hendrycks = _folder(tmp_path, [{"problem": "Compute $1/2+1/4$.", "solution": "It is $\\boxed{\\frac{3}{4}}$."}] * 3,
+                        [{"problem": "What is $2^3$?", "solution": "$\\boxed{8}$"}], "math")
+    chats = _folder(tmp_path, [{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}] * 3,
+                    [{"messages": [{"role": "user", "content": "What is 3 + 3?"}], "answer": "6"}], "chats")
+    for folder, adapter, prompt, answer in (
+            (gsm, "openai/gsm8k", " Human: 2 times 6? Assistant:", " 12"),
+            (hendrycks, "hendrycks/competition_math", " Human: What is $2^3$? Assistant:", " 8"),
+            (chats, None, " Human: What is 3 + 3? Assistant:", " 6")):
+        source = f"{{path: {folder}" + (f", adapter: {adapter}}}" if adapter else "}")
+        cfg = to_schema(compose([f"data.sources=[{source}]", "data.rule=math"])).data
+        evals = load_step_data(cfg, "sft", DataReport())[1]
+        assert evals["prompt"] == [prompt], evals["prompt"]
+        rule = rewards.data_rule(cfg, evals["prompt"])
+        assert rule(prompt, answer) == 1.0 and rule(prompt, " 13") == 0.0
+
+
+def test_rlvr_chain_trains_grpo_against_the_verifier_without_a_reward_model(tmp_path):
+    """pipeline=rlvr at tiny scale: SFT on the reference answers, then GRPO rewarded by `math` against
+    each prompt's reference; no reward model or critic is trained or built."""
+    overrides = ["pipeline=rlvr", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=5",
+                 "pipeline.ppo.step.max_steps=2", "pipeline.ppo.step.rollout_batch_size_per_device=16",
+                 "pipeline.ppo.step.micro_batch_size_per_device=8", "pipeline.ppo.step.eval_prompts=8",
+                 "pipeline.on_weak_step=warn"]
+    result = run(compose(overrides), overrides=overrides)
+    assert set(result["outputs"]) == {"sft", "ppo"} and not (tmp_path / "reward").exists()
+    final = json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())
+    assert final["step"] == 2 and "eval/accuracy" in final and not (tmp_path / "ppo" / "critic").exists()
+    rows = [json.loads(x) for x in open(tmp_path / "ppo" / "metrics.jsonl") if "rollout/rule_accuracy" in x]
+    assert rows and all(r["reward/score_mean"] == pytest.approx(r["rollout/rule_accuracy"]) for r in rows)
