@@ -169,7 +169,6 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
     per series."""
     import matplotlib.ticker as ticker
 
-    ncols = max(1, min(ncols, len(panels)))
     nrows = math.ceil(len(panels) / ncols)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     colours = colours or [f"C{i % 10}" for i in range(len(runs))]
@@ -177,6 +176,7 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
     for ax, panel in zip(axes, panels, strict=False):
         ax.set_title(panel.title, fontsize=10)
         drawn = False
+        styled: dict[str, int] = {}  # several runs: series label -> index, for a legend of line styles
         for r, run in enumerate(runs):
             for s, (key, label) in enumerate(panel.series):
                 xs, ys = run.series(key)
@@ -187,7 +187,8 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
                 # Evaluations are a few points: markers, so a single one still shows.
                 marker, size = MARKERS[s % len(MARKERS)] if len(xs) <= 25 else (None, 0)
                 ax.plot(xs, ys, style, color=colour, marker=marker, markersize=size, linewidth=1.3,
-                        label=label if (not several or r == 0) else None)
+                        label=None if several else label)
+                styled.setdefault(label, s)
                 drawn = True
                 if panel.spread and s == 0:
                     _, sd = run.series(panel.spread)
@@ -228,8 +229,15 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
         ax.tick_params(labelsize=7)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, frameon=False, loc="best")
+        handles, labels = ax.get_legend_handles_labels()
+        if several and styled:  # colours are runs (the figure's legend); here the series by line style, in black
+            from matplotlib.lines import Line2D
+
+            handles = [Line2D([], [], color="black", linestyle=STYLES[s % len(STYLES)],
+                              marker=MARKERS[s % len(MARKERS)][0], markersize=4) for s in styled.values()] + handles
+            labels = list(styled) + labels
+        if handles:
+            ax.legend(handles, labels, fontsize=7, frameon=False, loc="best")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     return list(axes[:len(panels)])

@@ -210,7 +210,9 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
         warnings += [f"{name}: {w}" for w in [*entry.get("warnings", []), *metrics.get("warnings", [])]]
     lines += [f"[e2e] WARNING {w}" for w in warnings] or ["[e2e] no warnings"]
     last = outputs[list(planned)[-1]]
+    chain_dir = Path(last).parent.parent
     lines += [f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}",
+              f"[e2e] curves: each step's curves.png; side by side: python -m rlhf.report {chain_dir}",
               f"[e2e] next: python -m rlhf.chat --path {last}"]
     return "\n".join(lines)
 

@@ -109,12 +109,13 @@ def figure(runs: list[Run]):
         sub.legend(handles, [r.label for r in rs], loc="upper right", fontsize=8, ncols=min(len(rs), 4),
                    frameon=False)
     if timed:
-        ax = subs[len(blocks)].subplots()
+        sub = subs[len(blocks)]
+        ax = sub.add_subplot(sub.add_gridspec(1, 4)[0, :min(4, math.ceil(len(timed) / 3))])
         x = range(len(timed))
         ax.bar([i - 0.2 for i in x], [r.final["forecast_s"] for r in timed], 0.4, label="forecast", color="grey")
-        ax.bar([i + 0.2 for i in x], [r.final["actual_s"] for r in timed], 0.4, label="actual",
+        ax.bar([i + 0.2 for i in x], [r.final["actual_s"] for r in timed], 0.4, label="actual (the run's colour)",
                color=[colour[id(r)] for r in timed])
-        ax.set_xticks(list(x), [r.label for r in timed], fontsize=8)
+        ax.set_xticks(list(x), [r.label.split(" (")[0] for r in timed], fontsize=8, rotation=20, ha="right")
         ax.set_ylabel("seconds")
         ax.set_title("time: forecast against actual (a chain's steps in order)", fontsize=10)
         ax.legend(fontsize=8, frameon=False)
@@ -142,6 +143,10 @@ def write(paths: list[Path], out: Path) -> dict[str, Path]:
     if not found:
         raise SystemExit(f"no run found in {' '.join(map(str, paths))} (a run folder holds metrics.jsonl)")
     runs = [load_run(where, label) for label, where in found]
+    diffs = config_differences(runs)
+    for i, run in enumerate(runs):  # a run's legend entry says how it differs, not only its folder's name
+        shown = [f"{k}={v[i]}" for k, v in diffs.items() if v[i] != ""][:3]
+        run.label += f" ({', '.join(shown)})" if shown else ""
     out.mkdir(parents=True, exist_ok=True)
     written = {}
     fig = figure(runs)
@@ -152,7 +157,6 @@ def write(paths: list[Path], out: Path) -> dict[str, Path]:
         (out / "report.png").write_bytes(buf.getvalue())
         written["png"] = out / "report.png"
         image = f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}" style="max-width:100%">'
-    diffs = config_differences(runs)
     listing = "".join(f"<li>{html.escape(r.label)}: <code>{html.escape(str(r.path))}</code> ({r.step})</li>"
                       for r in runs)
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>RLHF report</title><style>"

@@ -221,14 +221,20 @@ def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
     Returns the Figure."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FormatStrFormatter, MaxNLocator
 
     objective_name, mode = ok[0]["objective"], ok[0]["mode"]
     settings = [dict(_shown(o).partition("=")[::2] for o in r["overrides"]) for r in ok]
     swept = list(_swept(ok))
+    if not swept:  # one finished job, or jobs alike: the objective per job
+        swept = ["job"]
+        for s, r in zip(settings, ok, strict=True):
+            s["job"] = r["job"]
     groups = {key: [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept if k != key) for s in settings]
               for key in swept}
     values = [r["value"] for r in ok]
-    log_y = min(values) > 0 and max(values) / min(values) >= 10
+    # Perplexities spanning decades on a log axis; accuracies and other fractions stay linear.
+    log_y = min(values) > 0 and max(values) > 1 and max(values) / min(values) >= 10
     curves = [_job_curve(sweep_dir, r, objective_name) for r in ok]
     n = len(swept) + any(xs for xs, _ in curves) + trials
     fig = Figure(figsize=(4.6 * max(n, 1), 3.8), layout="constrained")
@@ -237,17 +243,34 @@ def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
     for ax, key in zip(axes, swept, strict=False):
         raw = [s.get(key, "") for s in settings]
         x = _numbers(raw)
+        # Lines only along a grid's few values: nothing lies between categories, and an Optuna
+        # search's scattered trials joined by lines read as a curve.
+        line = "o-" if x is not None and len(set(x)) <= 8 else "o"
         if x is None:  # categories, in the order the sweep ran them
             order = list(dict.fromkeys(map(_value, raw)))
             x = [float(order.index(_value(v))) for v in raw]
             ax.set_xticks(range(len(order)), order)
-        elif _log_axis(key, x):
-            ax.set_xscale("log")
+        else:
+            if _log_axis(key, x):
+                ax.set_xscale("log")
+            if len(set(x)) <= 8:  # a grid's few values: ticks at them, labelled as typed
+                typed = dict(zip(x, map(_value, raw), strict=True))
+                ax.set_xticks(sorted(typed), [typed[v] for v in sorted(typed)])
+                ax.minorticks_off()
         labels = groups[key]
-        for i, label in enumerate(dict.fromkeys(labels)):
+        others = [k for k in swept if k != key]
+        shade = _numbers([s.get(others[0], "") for s in settings]) if len(others) == 1 else None
+        if shade is not None and len(set(shade)) > 8:  # a continuous other key (Optuna): a colour scale
+            from matplotlib.colors import LogNorm, Normalize
+
+            norm = LogNorm() if _log_axis(others[0], shade) else Normalize()
+            points = ax.scatter(x, values, c=shade, norm=norm, cmap="viridis", s=30)
+            fig.colorbar(points, ax=ax, label=others[0])
+            labels = [""] * len(labels)
+        for i, label in enumerate(dict.fromkeys(labels) if any(labels) or shade is None else []):
             points = sorted((xi, yi) for xi, yi, g in zip(x, values, labels, strict=True) if g == label)
             colour = colour_of.setdefault(label, f"C{len(colour_of) % 10}") if label else "C0"
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colour, label=label or None,
+            ax.plot([p[0] for p in points], [p[1] for p in points], line, color=colour, label=label or None,
                     markersize=6 - min(i, 3))
         if any(labels):
             ax.legend(fontsize=8, frameon=False, title=None)
@@ -261,11 +284,16 @@ def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
         ax = rest.pop(0)
         for i, ((xs, ys), s) in enumerate(zip(curves, settings, strict=True)):
             label = ", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept) or ok[i]["job"]
-            ax.plot(xs, ys, "o-", markersize=3, color=f"C{i % 10}", label=label)
+            # Jobs that coincide stay visible: each later one a smaller marker on top.
+            ax.plot(xs, ys, "o-", markersize=max(7 - i, 2), color=f"C{i % 10}", label=label)
         ax.set_title(f"held-out {objective_name} per job", fontsize=10)
         ax.set_xlabel("step")
-        if log_y:
+        logged = [y for _, ys in curves for y in ys]
+        if min(logged) > 0 and max(logged) / min(logged) >= 10:  # perplexity falls by decades
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3, which="both")
         if len(ok) <= 12:
             ax.legend(fontsize=7, frameon=False)
