@@ -149,7 +149,7 @@ def marks(run: Run) -> tuple[list[tuple[int, str]], list[str]]:
     for w in run.final.get("warnings", []):
         notes.append(w)
         if m := re.match(r"step (\d+): (.*)", w):
-            at.append((int(m.group(1)), "warning: " + m.group(2)[:40]))
+            at.append((int(m.group(1)), "warning"))  # the full text is under the panels
     stopped = run.final.get("stopped_by", "")
     if stopped and not stopped.startswith("the cap "):  # a readiness rule ended the step early
         at.append((int(run.final.get("step", 0)), "stopped"))
@@ -177,6 +177,7 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
         ax.set_title(panel.title, fontsize=10)
         drawn = False
         styled: dict[str, int] = {}  # several runs: series label -> index, for a legend of line styles
+        twins: list = []  # second y axes, whose lines join this panel's one legend
         for r, run in enumerate(runs):
             for s, (key, label) in enumerate(panel.series):
                 xs, ys = run.series(key)
@@ -204,16 +205,14 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
             for step, short in marks(run)[0]:
                 ax.axvline(step, color="red", linestyle=":", linewidth=1.2)
                 if panel is panels[0]:
-                    ax.annotate(short, (step, 1), xycoords=("data", "axes fraction"), fontsize=7, color="red",
-                                rotation=90, va="top", ha="right")
+                    ax.annotate(short, (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="red",
+                                va="bottom", ha="center")
             if panel.twin and (xs := run.series(panel.twin[0])[0]):
                 twin = ax.twinx()
                 twin.plot(xs, run.series(panel.twin[0])[1], STYLES[1], color=colours[r] if several else "grey",
-                          linewidth=1, label=panel.twin[1])
-                twin.set_ylabel(panel.twin[1], fontsize=8, color="grey")
-                twin.tick_params(labelsize=7)
-                if r == 0:
-                    twin.legend(loc="upper right", fontsize=7, frameon=False)
+                          linewidth=1, label=f"{panel.twin[1]} (right axis)")
+                twin.tick_params(labelsize=7, colors="grey")
+                twins.append(twin)
         if panel.chance is not None:
             ax.axhline(panel.chance, color="grey", linewidth=0.8, linestyle=":", label="chance")
         if panel.fraction:
@@ -230,6 +229,9 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
+        for twin in twins[:1]:
+            more = twin.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
         if several and styled:  # colours are runs (the figure's legend); here the series by line style, in black
             from matplotlib.lines import Line2D
 
@@ -237,7 +239,8 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
                               marker=MARKERS[s % len(MARKERS)][0], markersize=4) for s in styled.values()] + handles
             labels = list(styled) + labels
         if handles:
-            ax.legend(handles, labels, fontsize=7, frameon=False, loc="best")
+            # Above a second axis's lines, which are drawn over this axis's own.
+            (twins[-1] if twins else ax).legend(handles, labels, fontsize=7, frameon=False, loc="best")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     return list(axes[:len(panels)])
@@ -254,7 +257,7 @@ def figure(runs: list[Run], title: str):
     ncols = min(4, len(panels))
     notes = [f"{r.label}: {n}" if len(runs) > 1 else n for r in runs for n in marks(r)[1]]
     lines = [line for n in notes[:6] for line in textwrap.wrap("! " + n, 170)]
-    top_in, bottom_in = 0.75, 0.45 + 0.15 * len(lines)
+    top_in, bottom_in = 0.75, 0.5 + 0.15 * len(lines)
     height = 2.9 * math.ceil(len(panels) / ncols) + top_in + bottom_in
     # Margins set by hand: a constrained layout doubles the time to draw, and this runs inside training.
     fig = Figure(figsize=(4.3 * ncols, height))
@@ -263,7 +266,7 @@ def figure(runs: list[Run], title: str):
     fig.suptitle(title, fontsize=11)
     draw_panels(fig, runs, panels, ncols)
     if lines:
-        fig.text(0.01, 0.01, "\n".join(lines), fontsize=7.5, color="darkred", ha="left", va="bottom")
+        fig.text(0.01, 0.005, "\n".join(lines), fontsize=7.5, color="darkred", ha="left", va="bottom")
     return fig
 
 
