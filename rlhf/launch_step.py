@@ -148,8 +148,9 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
     lines += [f"sizes [{m.name}]: {memory.sizes(m).describe()}" for m in sized]
     problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
     if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
+        # (an earlier step of the same chain writes the folders in will_exist: sized by its numbers until then)
         problems += [f"model.path={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
-                     for m in sized if memory.sizes(m).fallback and looks_local(m.path)]
+                     for m in sized if memory.sizes(m).fallback and looks_local(m.path) and m.path not in will_exist]
     lines += [f"refused: {p}" for p in problems]
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)

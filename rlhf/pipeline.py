@@ -99,6 +99,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     outputs = {k: v for k, v in outputs.items()
                if k in steps or schema.launch.dry_run or (reuse and finished(chain_dir / k))}
 
+    steps, skipped = skip_unused(cfg, steps, overrides, outputs, chain_dir)
     planned = {}
     for name in steps:
         step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
@@ -125,6 +126,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     launch_step.write_run_dir(cfg, chain_dir, overrides, command)
     manifest_path = chain_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"steps": {}}
+    manifest["skipped"] = skipped
     results: dict[str, dict] = {}
     todo = {name: plan for name, plan in planned.items() if not (reuse and finished(chain_dir / name))}
     if _one_launch(todo):
@@ -172,6 +174,25 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
 
 
+def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs: dict[str, str],
+                chain_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The chain's steps without a reward model that nothing downstream would use: PPO rewarded by the
+    rule alone (step.reward_model_weight=0) with a critic-free estimator reads neither its score
+    nor its weights (the critic starts from them). Also returns why each left-out step was left out."""
+    from rlhf.losses import ESTIMATORS
+
+    if "reward" not in steps or "ppo" not in steps or any(s in steps for s in ("dpo", "simpo")):
+        return steps, {}
+    ppo = to_schema(step_config(cfg, "ppo", overrides, outputs, chain_dir)[0]).step
+    if ppo.reward_model_weight > 0 or ESTIMATORS[ppo.advantage_estimator].needs_critic:
+        return steps, {}
+    why = (f"PPO's reward is the rule alone (step.reward_model_weight=0) and {ppo.advantage_estimator} builds no "
+           "critic, so nothing would use a reward model")
+    print(f"[e2e] {STEPS['reward'].title}: skipped: {why}", flush=True)
+    outputs.pop("reward", None)
+    return [s for s in steps if s != "reward"], {"reward": why}
+
+
 def _figure(metrics: dict, key: str, label: str, percent: bool = True) -> str | None:
     """``label before -> after`` of one final figure (the step's first and last evaluation)."""
     if key not in metrics:
@@ -208,6 +229,7 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
                  if "forecast_s" in metrics and not rerun else "")
         lines.append(f"[e2e] {STEPS[name].title}, {took}{guess}{rerun}: " + ("; ".join(figures) or "done"))
         warnings += [f"{name}: {w}" for w in [*entry.get("warnings", []), *metrics.get("warnings", [])]]
+    lines += [f"[e2e] {STEPS[name].title}: skipped: {why}" for name, why in manifest.get("skipped", {}).items()]
     lines += [f"[e2e] WARNING {w}" for w in warnings] or ["[e2e] no warnings"]
     last = outputs[list(planned)[-1]]
     chain_dir = Path(last).parent.parent

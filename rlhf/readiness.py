@@ -40,12 +40,12 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
             return (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
                     f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. Train it "
                     f"longer (pipeline.reward.step.epochs=N) or on more pairs{rule_fix}")
-        acc = final("sft").get("eval/accuracy")
-        if pipe.min_policy_accuracy and acc is not None and acc < pipe.min_policy_accuracy:
-            return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="
-                    f"{pipe.min_policy_accuracy}: PPO can only reinforce right answers it samples, and it samples "
-                    "almost none. Train SFT longer (pipeline.sft.step.epochs=N)")
     after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
+    # The policy's accuracy dooms PPO whatever comes between: judged as soon as SFT's figures exist,
+    # so that no reward model trains for a PPO that cannot start.
+    if (name == "ppo" or (after_sft and "ppo" in steps[steps.index(name):])) \
+            and (why := _policy_too_weak(pipe, final("sft"), chain_dir)):
+        return why
     if pipe.sft_beyond_constant and after_sft and (why := _only_a_constant(final("sft"), chain_dir)):
         return why
     if pipe.sft_loss_still_falling and after_sft:
@@ -65,6 +65,36 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
                            if step_stop < 2 and "select/accuracy" in sft else "")
                         + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
     return None
+
+
+def _policy_too_weak(pipe, sft: dict, chain_dir: Path) -> str | None:
+    """SFT's held-out accuracy by the rule below pipeline.min_policy_accuracy: PPO samples almost no
+    right answer to reinforce. The fix follows what ended SFT, so that following it changes that."""
+    acc = sft.get("eval/accuracy")
+    if not pipe.min_policy_accuracy or acc is None or acc >= pipe.min_policy_accuracy:
+        return None
+    return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="
+            f"{pipe.min_policy_accuracy}: PPO can only reinforce right answers it samples, and it samples almost none. "
+            + sft_fix(sft, chain_dir))
+
+
+def sft_fix(sft: dict, chain_dir: Path) -> str:
+    """The override that changes what ended an SFT that was not ready: its loss-plateau stop (at 0% on
+    every untuned task measured, a learning rate too high for the task, not a finished step), or
+    its cap on steps or epochs."""
+    cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml") if (chain_dir / "sft" / "config.yaml").exists() else {}
+    step, lr = cfg.get("step", {}), cfg.get("optim", {}).get("lr")
+    stopped = str(sft.get("stopped_by", ""))
+    if "early_stop_patience" in stopped:
+        lower = f"pipeline.sft.optim.lr={lr / 3:.1g} " if lr else ""
+        return (f"SFT stopped on its loss plateau ({stopped}); the likely cause is a learning rate too high for the "
+                f"task: {lower}pipeline.sft.step.early_stop_patience=0 (a third of the rate, trained until its "
+                "accuracy bar or its epoch cap)")
+    if "max_steps" in stopped and step.get("max_steps", -1) > 0:
+        return f"SFT stopped at its cap ({stopped}): train it longer, pipeline.sft.step.max_steps={2 * step['max_steps']}"
+    epochs = step.get("epochs")
+    return ("SFT stopped at its cap" + (f" ({stopped})" if stopped else "")
+            + f": train it longer, pipeline.sft.step.epochs={2 * epochs if epochs else 'N'}")
 
 
 def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:

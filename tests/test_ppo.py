@@ -331,7 +331,8 @@ def test_the_chain_refuses_a_step_that_cannot_work_with_one_line(tmp_path):
     ppo = [*quick, "pipeline.steps=[sft,ppo]", "pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0",
            f"run_dir={tmp_path / 'ppo'}"]
     with pytest.raises(ConfigError, match=r"Step 3 \(PPO\) not started: the SFT policy's held-out accuracy by the rule is "
-                                          r"0\.0%, below pipeline.min_policy_accuracy=0.02: .*\(pipeline.sft.step.epochs=N\)"
+                                          r"0\.0%, below pipeline.min_policy_accuracy=0.02: .*SFT stopped at its cap \(the cap step.max_steps=2\): "
+                                          r"train it longer, pipeline.sft.step.max_steps=4"
                                           r".*pipeline.on_weak_step=warn"):
         run(compose(ppo), overrides=ppo)
     assert not (tmp_path / "ppo" / "ppo" / "final_metrics.json").exists()
