@@ -1,8 +1,9 @@
 """Multi-turn chat with any output folder (SFT, PPO, EMA) or hub id, like DeepSpeed-Chat's chatbot.py.
 
 Type a message; `clear` starts a new conversation, `quit` (or end of input) leaves. The
-conversation is kept in DeepSpeed-Chat's " Human: ... Assistant: ..." form and cut from the left
-when it outgrows the model's context.
+conversation is written as training wrote it (rlhf.data.adapters.ChatFormat): through the
+tokenizer's chat template where it has one (``--chat-template none``: never), else in DeepSpeed-Chat's
+" Human: ... Assistant: ..." form; it is cut from the left when it outgrows the model's context.
 
     python -m rlhf.chat --path runs/e2e/tiny-llama_synthetic-sort_seed42/ppo/model
     python -m rlhf.chat --path facebook/opt-1.3b --max-new-tokens 128 --sample --temperature 0.7
@@ -17,9 +18,16 @@ from pathlib import Path
 import torch
 
 from rlhf.config.groups import looks_local
+from rlhf.data.adapters import ChatFormat, chat_tokenizer
+
+
+def chat_format(tokenizer, mode: str = "auto") -> ChatFormat:
+    """The rendering of the steps' data (data.chat_template=mode) for this tokenizer."""
+    return ChatFormat(chat_tokenizer(tokenizer, mode))
 
 
 def respond(model, tokenizer, history: str, max_new_tokens: int, sample: bool, temperature: float) -> str:
+    """The model's answer to ``history``, the conversation's text up to the answer (ChatFormat.prompt)."""
     ids = tokenizer(history).input_ids
     limit = getattr(model.config, "max_position_embeddings", 2048) - max_new_tokens
     ids = ids[-limit:]  # keep the most recent turns
@@ -37,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--chat-template", choices=("auto", "none"), default="auto",
+                    help="the data.chat_template the model was trained with")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -56,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"cannot load a causal LM from {args.path!r}: {err}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # generation only: no masks are built from pad here
-    history = ""
+    fmt = chat_format(tokenizer, args.chat_template)
+    history: list[dict] = []
     print("Type a message; 'clear' starts over, 'quit' leaves.", flush=True)
     while True:
         try:
@@ -66,15 +77,15 @@ def main(argv: list[str] | None = None) -> None:
         if text == "quit":
             break
         if text == "clear":
-            history = ""
+            history = []
             print("(conversation cleared)", flush=True)
             continue
         if not text:
             continue
-        history += f" Human: {text} Assistant:"
-        answer = respond(model, tokenizer, history, args.max_new_tokens, args.sample, args.temperature)
-        history += answer
-        print(f"Assistant:{answer}", flush=True)
+        history.append({"role": "user", "content": text})
+        answer = respond(model, tokenizer, fmt.prompt(history), args.max_new_tokens, args.sample, args.temperature)
+        history.append({"role": "assistant", "content": answer.strip()})
+        print(f"Assistant: {answer.strip()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -308,6 +308,9 @@ class DataConfig:
     # rlhf.rewards.REWARD_FNS or your own 'package.module:function'; null: the shipped tasks' rule
     # where it parses every prompt, else none.
     rule: str | None = None
+    # auto: prompts and answers through the tokenizer's chat template where it has one (DeepSpeed-Chat's
+    # " Human: ... Assistant:" turns parsed into messages); none: that text as it is, for any model.
+    chat_template: str = "auto"
 
     @property
     def split_fractions(self) -> list[float]:
@@ -345,6 +348,7 @@ class DataConfig:
                               "PPO) with a positive sum")
         _choice("data.on_bad_row", self.on_bad_row, ("drop", "skip", "error"))
         _choice("data.long_prompts", self.long_prompts, ("drop", "truncate_left"))
+        _choice("data.chat_template", self.chat_template, ("auto", "none"))
 
 
 # ------------------------------------------------------------------------------------- roles

@@ -158,17 +158,113 @@ def map_columns(columns: dict[str, str]) -> Adapter:
     return adapt
 
 
-def render_conversation(messages: list[dict], tokenizer=None) -> tuple[str, str]:
+# DeepSpeed-Chat's turn markers: a marker starts the text or follows white space.
+_TURN = re.compile(r"(?:^|(?<=\s))(Human|Assistant):")
+_ROLES = {"Human": "user", "Assistant": "assistant"}
+# Stands for an answer in the probe that finds what a template writes after one.
+_PROBE = "\u2063ANSWER\u2063"
+
+
+def dschat_messages(prompt: str) -> list[dict]:
+    """The turns of a prompt in DeepSpeed-Chat's form (" Human: ... Assistant: ... Human: ... Assistant:")
+    as role/content messages, less the empty assistant turn it ends with. A prompt that does not end
+    with that cue is one user message (a plain question); text before the first marker joins the first
+    user message, and consecutive turns of one role are joined, since templates expect user and
+    assistant to alternate starting with the user."""
+    parts = _TURN.split(prompt)
+    preface, turns = parts[0].strip(), list(zip(parts[1::2], parts[2::2], strict=True))
+    if not turns or turns[-1][0] != "Assistant" or turns[-1][1].strip():
+        return [{"role": "user", "content": prompt.strip()}]
+    messages: list[dict] = []
+    for marker, text in turns[:-1]:
+        role, text = _ROLES[marker], text.strip()
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + text
+        else:
+            messages.append({"role": role, "content": text})
+    if not messages or messages[0]["role"] != "user":
+        messages.insert(0, {"role": "user", "content": ""})
+    if preface:
+        messages[0]["content"] = (preface + "\n\n" + messages[0]["content"]).strip()
+    return messages
+
+
+def chat_tokenizer(tokenizer, mode: str):
+    """The tokenizer whose chat template renders prompts and answers (data.chat_template=auto and it has
+    one), else None: DeepSpeed-Chat's " Human: ... Assistant:" text (a base model without a template,
+    or data.chat_template=none)."""
+    if mode == "none" or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer
+
+
+class ChatFormat:
+    """How one model's prompts and answers are written: through ``tokenizer``'s chat template, or in
+    DeepSpeed-Chat's form where ``tokenizer`` is None (see chat_tokenizer). The one rendering that every
+    step's data (rlhf.data.blend) and the chat CLI (rlhf.chat) use, so a model is trained, scored and
+    talked to on the same text."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.end_of_turn = self._end_of_turn() if tokenizer is not None else ""
+        # A template that writes the bos token itself (Llama 3, Mistral) would get a second one from
+        # the tokenizer, which adds it to every prompt it encodes; the rendered text leaves it out.
+        bos = getattr(tokenizer, "bos_token", None)
+        self.drop_bos = bool(bos) and tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id]
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as err:  # the template's own check (roles out of order, a role it lacks)
+            raise ValueError(f"the tokenizer's chat template refused the turns "
+                             f"{[m['role'] for m in messages]}: {err}") from None
+
+    def _end_of_turn(self) -> str:
+        # What the template writes after an answer (Qwen's <|im_end|>, Llama 3's <|eot_id|>): the answer
+        # must end with it for the model to learn to close its turn. Trailing white space opens the next
+        # turn; the eos token is left out, as tokenization appends eos to every answer.
+        text = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}], False)
+        tail = text.split(_PROBE, 1)[1].rstrip() if _PROBE in text else ""
+        eos = self.tokenizer.eos_token
+        return tail[: -len(eos)] if eos and tail.endswith(eos) else tail
+
+    def prompt(self, messages: list[dict]) -> str:
+        """The text before the model's answer to these turns (the last one the user's)."""
+        if self.tokenizer is None:
+            turns = {"user": " Human: ", "assistant": " Assistant: ", "system": " "}
+            return "".join(turns.get(m["role"], " ") + m["content"].strip() for m in messages) + " Assistant:"
+        text = self._render(messages, True)
+        if self.drop_bos and text.startswith(self.tokenizer.bos_token):
+            text = text[len(self.tokenizer.bos_token):]
+        return text
+
+    def answer(self, text: str) -> str:
+        """An answer as it follows the prompt: DeepSpeed-Chat's " answer", or the template's content and
+        end of turn (an empty answer stays empty: the data report counts it)."""
+        if not text or not text.strip():
+            return ""
+        return _answer(text) if self.tokenizer is None else text.strip() + self.end_of_turn
+
+    def row(self, row: Row) -> Row:
+        """A row in DeepSpeed-Chat's form (what the adapters write) in this format."""
+        if self.tokenizer is None:
+            return row
+
+        def text(value, render):  # a value that is not text is left for the data report to count
+            return render(value) if isinstance(value, str) and value.strip() else value
+
+        return {**row, "prompt": text(row["prompt"], lambda p: self.prompt(dschat_messages(p))),
+                "chosen": text(row["chosen"], self.answer), "rejected": text(row["rejected"], self.answer)}
+
+
+def render_conversation(messages: list[dict], tokenizer=None, fmt: ChatFormat | None = None) -> tuple[str, str]:
     """(prompt, answer) from role/content messages ending with the assistant's answer: through the
     tokenizer's chat template when it has one, else in DeepSpeed-Chat's " Human: ... Assistant:" form."""
     if not messages or messages[-1].get("role") != "assistant":
         raise ValueError("a conversation must end with an assistant message (the answer)")
-    history, answer = messages[:-1], messages[-1]["content"]
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True), answer
-    turns = {"user": " Human: ", "assistant": " Assistant: ", "system": " "}
-    prompt = "".join(turns.get(m["role"], " ") + m["content"].strip() for m in history)
-    return prompt + " Assistant:", _answer(answer)
+    fmt = fmt or ChatFormat(chat_tokenizer(tokenizer, "auto"))
+    return fmt.prompt(messages[:-1]), fmt.answer(messages[-1]["content"])
 
 
 def adapt_rows(rows: list[Row], name: str) -> list[Row]:

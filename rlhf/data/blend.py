@@ -21,7 +21,16 @@ import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
 from rlhf.config import STEPS, ConfigError, DataConfig, DataError, SourceConfig, looks_local
-from rlhf.data.adapters import ADAPTERS, EVAL_SPLITS, HUB_CONFIGS, HUB_IDS, map_columns, render_conversation
+from rlhf.data.adapters import (
+    ADAPTERS,
+    EVAL_SPLITS,
+    HUB_CONFIGS,
+    HUB_IDS,
+    ChatFormat,
+    chat_tokenizer,
+    map_columns,
+    render_conversation,
+)
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -55,12 +64,16 @@ COMMON = ("prompt", "chosen", "rejected")
 
 
 def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
-    """Map a source's own columns to prompt / chosen / rejected, naming the row and column that fail."""
+    """Map a source's own columns to prompt / chosen / rejected, naming the row and column that fail;
+    with a ``tokenizer`` (rlhf.data.adapters.chat_tokenizer) prompts and answers are rendered through
+    its chat template, DeepSpeed-Chat's turns parsed back into messages."""
+    fmt = ChatFormat(tokenizer)
     name = src.adapter or (src.path if src.path in ADAPTERS else "")
-    if name:
-        fn = ADAPTERS[name]
-    elif src.columns:
-        fn = map_columns(dict(src.columns))
+    if name or src.columns:
+        adapter = ADAPTERS[name] if name else map_columns(dict(src.columns))
+
+        def fn(row: dict) -> dict:
+            return fmt.row(adapter(row))
     elif "messages" in ds.column_names:
         name = "conversation"
 
@@ -69,10 +82,12 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
             if messages and messages[-1].get("role") != "assistant" and row.get("answer"):
                 # A question with a reference answer: the answer is the assistant's turn to learn.
                 messages = [*messages, {"role": "assistant", "content": row["answer"]}]
-            prompt, chosen = render_conversation(messages, tokenizer)
+            prompt, chosen = render_conversation(messages, fmt=fmt)
             rejected = row.get("rejected") or ""
             if isinstance(rejected, list):  # a rejected conversation: its last answer
-                rejected = render_conversation(rejected, tokenizer)[1]
+                rejected = render_conversation(rejected, fmt=fmt)[1]
+            else:
+                rejected = fmt.answer(rejected) if tokenizer is not None else rejected
             return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     else:
         if "chosen" not in ds.column_names and "answer" in ds.column_names:
@@ -85,7 +100,10 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
                              f"set {key}.columns or {key}.adapter")
         if "rejected" not in ds.column_names:
             ds = ds.add_column("rejected", [""] * len(ds))
-        return ds.select_columns(list(COMMON))
+        ds = ds.select_columns(list(COMMON))
+        if tokenizer is None:
+            return ds
+        name, fn = "", fmt.row
 
     def safe(row: dict, idx: int) -> dict:
         try:
@@ -247,8 +265,9 @@ def heldout_split(prompts: list, seed: int, cap: int = 0) -> tuple[list[int], li
 
 def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=None) -> tuple[Dataset, Dataset]:
     """Train rows of ``step``'s part of the blend, and the blend's eval rows (conversations rendered
-    with ``tokenizer``'s chat template when it has one)."""
+    with ``tokenizer``'s chat template when it has one and data.chat_template=auto)."""
     part = STEPS[step].split_index
+    tokenizer = chat_tokenizer(tokenizer, cfg.chat_template)
     trains, evals = [], []
     for i, src in enumerate(cfg.sources):
         full = load_source(src, src.train_split, i, tokenizer, cfg.on_bad_row, report)
@@ -278,6 +297,7 @@ def references(cfg: DataConfig, tokenizer=None) -> dict[str, str]:
     """Each prompt's reference answer (its row's answer, or chosen) over every source's train and eval
     rows, rendered as the steps render them: what a rule that takes a reference compares against."""
     table: dict[str, str] = {}
+    tokenizer = chat_tokenizer(tokenizer, cfg.chat_template)
     for i, src in enumerate(cfg.sources):
         for split in dict.fromkeys((src.train_split, src.eval_split)):
             try:
