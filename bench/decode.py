@@ -21,8 +21,14 @@ is what ours spends on top of them (attention, norms, sampling, Python). Where t
 under 2 the products stream the weights from memory every token and generate's overhead is too
 small a share for any loop to halve its time.
 
+``--families``: instead, one line per Hugging Face family (rlhf.families' tiny random models, hidden
+64, 2 layers, grouped-query attention where the family has it): our loop against ``generate``, and
+``path`` says whether ours ran our family forward (rlhf.decode.FORWARDS) or the model's own forward
+with transformers' cache.
+
     python bench/decode.py
     python bench/decode.py --batch 64 --new 32 --precision bf16 --models tiny-llama
+    python bench/decode.py --families                  # every family; or --families qwen2 phi3
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--families", nargs="*", default=None,
+                    help="tiny random models of these families (rlhf.families.FAMILIES; none named: all)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -62,6 +70,12 @@ def main() -> None:
     from rlhf.config import compose_config, to_schema
 
     torch.set_num_threads(args.threads)
+    if args.families is not None:
+        from rlhf.families import FAMILIES
+
+        for family in args.families or FAMILIES:
+            print(json.dumps(measure_family(family, args)), flush=True)
+        return
     for name in args.models:
         overrides = MODELS[name]
         print(json.dumps(measure(name, to_schema(compose_config(overrides)), args)), flush=True)
@@ -142,6 +156,54 @@ def measure(name: str, cfg, args) -> dict:
             "full_over_top50": round(med["ours"] / med["ours_top50"], 3),
             # The static step (step.decode_graph) without a graph, as it runs on CPU: its price here.
             "static_over_default": round(med["ours_static"] / med["ours"], 3)}
+
+def measure_family(family: str, args) -> dict:
+    """Our loop against generate on ``family``'s tiny random model: same batch and sampling as ``measure``."""
+    import tempfile
+
+    import torch
+
+    from rlhf.decode import _own_forward, decode
+    from rlhf.families import tiny_family_model
+    from rlhf.models import load_causal_lm, load_tokenizer
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(tiny_family_model(family, tmp))
+        tok = load_tokenizer(path)
+        model = load_causal_lm(path, tok, dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, len(tok), (args.batch, args.prompt), generator=gen)
+    ids[:, 0] = tok.bos_token_id
+    mask = torch.ones_like(ids)
+    mask[0, : args.prompt // 4] = 0
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 0, "min_new_tokens": args.new}
+
+    def ours():
+        return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **sampling)
+
+    def theirs():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sampling)
+
+    times = {"ours": [], "generate": []}
+    ours(), theirs()  # warm-up
+    for _ in range(args.repeats):
+        for key, fn in (("ours", ours), ("generate", theirs)):
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = args.batch * args.new
+    return {"family": family, "architecture": type(model).__name__, "precision": args.precision,
+            "threads": args.threads, "batch": args.batch, "prompt_tokens": args.prompt, "new_tokens": args.new,
+            "path": "ours" if _own_forward(model, args.prompt + args.new) else "model forward",
+            "ours_tokens_per_s": round(tokens / med["ours"], 1),
+            "generate_tokens_per_s": round(tokens / med["generate"], 1),
+            "speedup": round(med["generate"] / med["ours"], 3),
+            "speedup_fastest": round(min(times["generate"]) / min(times["ours"]), 3)}
+
 
 if __name__ == "__main__":
     main()

@@ -99,6 +99,8 @@ def _llama_forward(model, ids, cache, start, mask):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         q, k, v = (_heads(proj(x), attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if hasattr(attn, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         h = h + attn.o_proj(cache.attend(i, q, k, v, start, mask, attn.scaling))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -136,17 +138,20 @@ def _opt_forward(model, ids, cache, start, mask):
 
 
 # Family forwards by transformers class name; a family not here decodes through its own forward.
-# Qwen2 and Mistral are LLaMA's layers (Qwen2 with biases on q/k/v, which the module calls apply)
-# plus a sliding attention window, which our forward does not apply: ``_own_forward`` takes them
-# only where the window cannot bind (see ``_window``).
+# Qwen2, Qwen3 and Mistral are LLaMA's layers (Qwen2 with biases on q/k/v, which the module calls
+# apply; Qwen3 with a norm over each head's query and key) plus a sliding attention window, which
+# our forward does not apply: ``_own_forward`` takes them only where the window cannot bind (see
+# ``_window``).
 FORWARDS = {"LlamaForCausalLM": _llama_forward, "OPTForCausalLM": _opt_forward,
-            "Qwen2ForCausalLM": _llama_forward, "MistralForCausalLM": _llama_forward}
+            "Qwen2ForCausalLM": _llama_forward, "Qwen3ForCausalLM": _llama_forward,
+            "MistralForCausalLM": _llama_forward}
 
 
 def _window(base) -> int | None:
-    """The sliding attention window a Qwen2 / Mistral model applies, None where it applies none."""
+    """The sliding attention window a Qwen2 / Qwen3 / Mistral model applies, None where it applies none."""
     config = base.config
-    if type(base).__name__ == "Qwen2ForCausalLM" and not getattr(base.model, "has_sliding_layers", False):
+    if type(base).__name__ in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(base.model, "has_sliding_layers",
+                                                                                       False):
         return None
     return getattr(config, "sliding_window", None)
 

@@ -42,6 +42,9 @@ TOKENIZER_CORPUS = "data/synthetic/[!a]*/train.jsonl", "data/synthetic/add/train
 # Bump when the way random models are built changes, so stale cache entries are not reused.
 BUILD_VERSION = 1
 
+# lora.target_modules=[peft-default]: each family's default target modules from PEFT's own mapping.
+PEFT_DEFAULT = "peft-default"
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -222,10 +225,10 @@ class ModelSizes:
     def lora_params(self, rank: int, targets=("all-linear",)) -> int:
         """Parameters of LoRA adapters of ``rank`` on the layers' linears named by ``targets``
         (names or suffixes, PEFT's matching; all-linear: every one): rank x (in + out) each."""
-        targets = list(targets)
+        targets = lora_targets(self.family, targets)
 
         def hit(name: str) -> bool:
-            return targets == ["all-linear"] or any(name == t or name.endswith("." + t) for t in targets)
+            return targets == "all-linear" or any(name == t or name.endswith("." + t) for t in targets)
 
         return sum(rank * (i + o) for name, i, o in self.layer_linears if hit(name)) if rank else 0
 
@@ -461,9 +464,7 @@ class RewardModel(torch.nn.Module):
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype = torch.float32) -> RewardModel:
-        from transformers import AutoModelForSequenceClassification
-
-        return cls(AutoModelForSequenceClassification.from_config(config, dtype=dtype))
+        return cls(sequence_classifier(config).from_config(config, dtype=dtype))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # Positions from the mask, so a left-padded row scores as it would unpadded.
@@ -488,6 +489,33 @@ class RewardModel(torch.nn.Module):
         return self.hf_model.is_gradient_checkpointing
 
 
+def sequence_classifier(config):
+    """The class a reward model (or critic) of ``config``'s family is built as: AutoModelForSequenceClassification,
+    or, for a family transformers gives none (CodeGen), transformers' own GenericForSequenceClassification
+    over the family's backbone (a ``score`` head on its last hidden state, the state dict laid out as
+    every built-in *ForSequenceClassification's), registered with AutoModelForSequenceClassification so
+    that a saved reward model loads through it in any process that imported rlhf.models."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in AutoModelForSequenceClassification._model_mapping or getattr(config, "auto_map", None):
+        return AutoModelForSequenceClassification
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    try:
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ValueError(f"{config.model_type}: transformers has no causal-LM class for this family, which reward "
+                         "models are built on") from None
+    # The family's PreTrainedModel (weight init, base_model_prefix: where a causal LM's backbone weights sit).
+    family_base = next(b for b in causal.__mro__[1:] if issubclass(b, PreTrainedModel) and b is not PreTrainedModel)
+    name = causal.__name__.replace("ForCausalLM", "ForSequenceClassification")
+    cls = type(name, (GenericForSequenceClassification, family_base),
+               {"base_model_prefix": family_base.base_model_prefix, "__module__": __name__})
+    AutoModelForSequenceClassification.register(type(config), cls, exist_ok=True)
+    return AutoModelForSequenceClassification
+
+
 def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, dropout: float | None = None,
                       trust_remote_code: bool = False) -> RewardModel:
     """A reward model (or PPO critic) from a reward-model folder or from any causal-LM checkpoint.
@@ -495,23 +523,35 @@ def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, 
     From a causal LM (an SFT output, a hub id) the backbone is loaded and the scalar head starts
     random; from a saved reward model both come back.
     """
-    from transformers import AutoModelForSequenceClassification
-
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
     if dropout is not None:
         for key in _DROPOUT_KEYS:
             if hasattr(config, key):
                 setattr(config, key, dropout)
-    try:
-        hf_model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                      trust_remote_code=trust_remote_code)
-    except ValueError as err:
-        raise ValueError(f"{path}: transformers has no sequence-classification class for model type "
-                         f"{config.model_type!r}, which reward models are built on ({err})") from None
+    hf_model = sequence_classifier(config).from_pretrained(path, config=config, dtype=dtype,
+                                                           trust_remote_code=trust_remote_code)
     if len(tokenizer) > hf_model.get_input_embeddings().num_embeddings:
         hf_model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
     hf_model.config.pad_token_id = tokenizer.pad_token_id
     return RewardModel(hf_model)
+
+
+def lora_targets(model_type: str, targets) -> str | list[str]:
+    """PEFT's ``target_modules`` for lora.target_modules on a ``model_type`` model: all-linear, the names
+    given, or (``peft-default``) the family's default from PEFT's own mapping, so that a family PEFT
+    adds is covered without a list of ours; a family PEFT has no default for is refused in one line."""
+    targets = list(targets)
+    if targets == ["all-linear"]:
+        return "all-linear"
+    if targets != [PEFT_DEFAULT]:
+        return targets
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    if model_type not in PEFT_TARGETS:
+        raise ConfigError(f"lora.target_modules=[{PEFT_DEFAULT}]: PEFT has no default LoRA target modules for "
+                          f"{model_type} (not in its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); name them, "
+                          "e.g. lora.target_modules=[qkv_proj], or use all-linear")
+    return list(PEFT_TARGETS[model_type])
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
@@ -526,7 +566,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     from peft import get_peft_model
 
     is_reward = isinstance(model, RewardModel)
-    targets = cfg.target_modules[0] if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    targets = lora_targets(model.config.model_type, cfg.target_modules)
     if is_reward and targets == "all-linear":
         # PEFT's all-linear skips a causal LM's output layer by name; here the head is `score`.
         targets = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()

@@ -34,6 +34,8 @@ PLANS = {
     "LlamaForCausalLM": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")),
     "Qwen2ForCausalLM": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")),
     "MistralForCausalLM": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")),
+    # Qwen3's per-head query/key norms act within a head: each rank's slice of heads keeps them whole.
+    "Qwen3ForCausalLM": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")),
 }
 # model.family (conf/model) -> the class its checkpoints load as, for deciding before anything loads.
 FAMILY_CLASSES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
