@@ -36,9 +36,9 @@ from rlhf.config import PROJECT_ROOT, RANDOM_FAMILIES, ConfigError, LoraConfig, 
 # pad never hides a real end of answer.
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # The random models' tokenizer learns its merges from the shipped preference tasks only: a task added
-# to data/synthetic/ (arith) would otherwise change every random model's tokenizer and with it every
+# to data/synthetic/ (numbers) would otherwise change every random model's tokenizer and with it every
 # shipped figure; byte-level BPE encodes any other text all the same.
-TOKENIZER_CORPUS = "data/synthetic/[!a]*/train.jsonl", "data/synthetic/add/train.jsonl"
+TOKENIZER_CORPUS = tuple(f"data/synthetic/{task}/train.jsonl" for task in ("add", "reverse", "sort"))
 # Bump when the way random models are built changes, so stale cache entries are not reused.
 BUILD_VERSION = 1
 

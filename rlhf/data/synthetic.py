@@ -191,27 +191,32 @@ def generate(task: str, n_train: int, n_eval: int, seed: int) -> dict[str, list[
     return {"train": rows[:n_train], "eval": rows[n_train:]}
 
 
-def generate_arith(n_train: int, n_eval: int, seed: int) -> dict[str, list[dict]]:
-    """Prompt-and-answer rows with a checkable answer and no rejected one, as GSM8K's are: two-digit
-    sums and differences in words the shipped rule does not parse, scored by data.rule=math against
-    the row's reference answer. Train and eval never share a question."""
-    rng = random.Random(f"arith-{seed}")
-    questions = [(a, op, b) for a in range(10, 100) for b in range(10, 100) for op in "+-"]
-    rng.shuffle(questions)
-    rows = [{"prompt": f" Human: What is {a} {op} {b}? Assistant:", "answer": f" {a + b if op == '+' else a - b}"}
-            for a, op, b in questions[: n_train + n_eval]]
+def generate_numbers(n_train: int, n_eval: int, seed: int) -> dict[str, list[dict]]:
+    """Prompt-and-answer rows with a checkable numeric answer and no rejected one, as GSM8K's are: the
+    largest or the smallest of four two-digit numbers, in words the shipped rule does not parse, scored
+    by data.rule=math against the row's reference answer. Train and eval never share a question."""
+    rng = random.Random(f"numbers-{seed}")
+    seen: set[tuple] = set()
+    rows = []
+    while len(rows) < n_train + n_eval:
+        kind, numbers = rng.choice(("largest", "smallest")), rng.sample(range(10, 100), 4)
+        if (kind, *numbers) in seen:
+            continue
+        seen.add((kind, *numbers))
+        answer = max(numbers) if kind == "largest" else min(numbers)
+        rows.append({"prompt": f" Human: {kind} of {', '.join(map(str, numbers))}? Assistant:", "answer": f" {answer}"})
     return {"train": rows[:n_train], "eval": rows[n_train:]}
 
 
 # Rows per task: sort is the default blend and the quality benchmarks' task, so it is the largest.
-SIZES = {"sort": (40000, 1000), "reverse": (10000, 1000), "add": (8000, 1000), "arith": (8000, 1000)}
+SIZES = {"sort": (40000, 1000), "reverse": (10000, 1000), "add": (8000, 1000), "numbers": (8000, 1000)}
 
 
 def write(out: Path, seed: int = 0) -> None:
     for task, (n_train, n_eval) in SIZES.items():
         folder = out / task
         folder.mkdir(parents=True, exist_ok=True)
-        tables = generate_arith(n_train, n_eval, seed) if task == "arith" else generate(task, n_train, n_eval, seed)
+        tables = generate_numbers(n_train, n_eval, seed) if task == "numbers" else generate(task, n_train, n_eval, seed)
         for split, rows in tables.items():
             with open(folder / f"{split}.jsonl", "w") as f:
                 for row in rows:
