@@ -382,18 +382,24 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
 # ----------------------------------------------------------------------------------- work
 def step_rows(cfg: Config, rows: int = 0) -> tuple[int, str]:
     """Train rows of the step's part of the data: ``rows`` (the blend's train rows) or
-    launch.forecast_rows where given, else counted in the local sources; 0 where neither is known."""
+    launch.forecast_rows where given, else counted in the local sources, else the hub datasets'
+    published rows (rlhf.data.adapters.PUBLISHED_ROWS); 0 where none is known."""
     from rlhf.config import looks_local
+    from rlhf.data.adapters import PUBLISHED_ROWS
 
     part = cfg.data.split_fractions[STEPS[cfg.step.name].split_index]
     total = rows or cfg.launch.forecast_rows
     how = "given"
     if not total:
-        if not all(looks_local(s.path) for s in cfg.data.sources):
+        hub = [(s.path, s.train_split) for s in cfg.data.sources if not looks_local(s.path)]
+        if hub and all(key in PUBLISHED_ROWS for key in hub) and len(hub) == len(cfg.data.sources):
+            total, how = sum(PUBLISHED_ROWS[key] for key in hub), "published (the dataset cards)"
+        elif hub:
             return 0, "hub data: set launch.forecast_rows to the blend's train rows"
-        # Read as the run reads them (split and blended, max_train_samples applied), once per dry-run.
-        train = len(step_data(cfg)[0])
-        return train, f"counted: {train:,} train rows in this step's part ({part:.0%}) of the data"
+        else:
+            # Read as the run reads them (split and blended, max_train_samples applied), once per dry-run.
+            train = len(step_data(cfg)[0])
+            return train, f"counted: {train:,} train rows in this step's part ({part:.0%}) of the data"
     if cfg.data.max_train_samples > 0:
         total = min(total, int(cfg.data.max_train_samples / part))
     return int(total * part), f"{how}: {total:,} train rows x {part:.0%} for this step"

@@ -331,7 +331,8 @@ def _fallback_config(cfg: ModelConfig):
                                 num_attention_heads=cfg.num_heads,
                                 num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
                                 intermediate_size=cfg.ffn_size, vocab_size=cfg.vocab_size,
-                                max_position_embeddings=cfg.max_positions)
+                                max_position_embeddings=cfg.max_positions,
+                                **({} if cfg.tied_embeddings is None else {"tie_word_embeddings": cfg.tied_embeddings}))
 
 
 _HUB_CONFIGS: dict[tuple[str, bool], tuple] = {}

@@ -186,3 +186,14 @@ def test_the_policy_s_own_answers_are_forecast_only_where_a_rule_scores_the_prom
     assert reward.steps > hub_reward.steps
     assert ppo.phases["evaluation"] > hub_ppo.phases["evaluation"]  # the start check's sampled pass
     assert ppo.phases["generation"] == hub_ppo.phases["generation"]
+
+
+def test_hub_data_is_forecast_from_its_dataset_cards_published_rows():
+    # DeepSpeed-Chat's four datasets: 76,256 + 112,052 + 33,143 + 76,256 train rows, 40% for the reward model.
+    rows, how = forecast.step_rows(to_schema(compose(["data=dschat-blend", "step=reward"])))
+    assert rows == int(297_707 * 0.4) and how.startswith("published (the dataset cards): 297,707 train rows")
+    # UltraFeedback's preference split, not its other splits.
+    cfg = to_schema(compose(["data=ultrafeedback", "step=sft"]))
+    assert forecast.step_rows(cfg)[0] == int(61_135 * 0.2)
+    cfg.data.sources[0].train_split = "train_gen"
+    assert forecast.step_rows(cfg) == (0, "hub data: set launch.forecast_rows to the blend's train rows")

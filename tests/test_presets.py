@@ -2,6 +2,8 @@
 steps on CPU, with each role's model swapped for a tiny random one of the same family and every
 other key the experiment sets kept (gradient checkpointing, LoRA, offload flags, ZeRO stage,
 accumulation, sampling, lengths), on 2 CPU ranks where the preset has more than one device.
+Data on a hub (DeepSpeed-Chat's datasets, UltraFeedback) cannot be reached here: such an experiment
+runs on the shipped synthetic data instead, every other data key kept.
 A new experiment file is covered without editing this test.
 
     python -m pytest tests/test_presets.py
@@ -15,6 +17,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
+from rlhf.config import looks_local
 from tests.conftest import ROOT, compose, compose_step, free_port, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -31,9 +34,11 @@ def tiny_overrides(name: str) -> list[str]:
     cfg = compose([f"experiment={name}"])
     tiny = TINY[cfg.model.family]
     world = cfg.hardware.nodes * cfg.hardware.devices_per_node
-    # 1024 positions: the presets' 512-token sequences (256 + 256 in PPO) must fit the tiny model.
-    return [f"model={tiny}", "model.max_positions=1024", f"critic.model={tiny}",
-            f"hardware={'cpu-2rank' if world > 1 else 'cpu'}", f"launch.master_port={free_port()}"]
+    hub_data = not all(looks_local(s.path) for s in cfg.data.sources)
+    # 2048 positions: the presets' sequences (up to 1024 + 1024 in PPO) must fit the tiny model.
+    return [f"model={tiny}", "model.max_positions=2048", f"critic.model={tiny}",
+            f"hardware={'cpu-2rank' if world > 1 else 'cpu'}", f"launch.master_port={free_port()}",
+            *(["data.sources=[{path: ${project_root:}/data/synthetic/sort}]"] if hub_data else [])]
 
 
 # make test runs the one-GPU preset's chain; make test-all every preset's (50-65 s each on 2 cores).

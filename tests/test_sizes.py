@@ -182,3 +182,15 @@ def test_the_forecast_counts_flops_from_the_folder_s_sizes(tmp_path):
     layers = sum(p.numel() for p in real.model.layers.parameters())
     assert forecast.matmul_params(m, lm_head=True) == layers + 96 * 32
     assert forecast.forward_flops(m, 10, 4, True) == 10 * (2 * (layers + 96 * 32) + 2 * 2 * 4 * (4 * 8))
+
+
+@pytest.mark.parametrize("name,params", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-7b", 7_615_616_512),
+                                         ("llama3.1-8b", 8_030_261_248), ("mistral-7b", 7_248_023_552)])
+def test_the_presets_offline_numbers_size_the_published_checkpoints(name, params):
+    """Where config.json cannot be read, a preset's numbers give its checkpoint's parameter count (the
+    count of its published weights): GQA key/value heads, and Qwen2.5-0.5B's tied head counted once."""
+    from rlhf.config import load_model_file
+
+    sizes = model_sizes(load_model_file(name))
+    assert sizes.params == params and "no config.json readable" in sizes.source
+    assert sizes.tied_embeddings == (name == "qwen2.5-0.5b")

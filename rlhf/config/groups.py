@@ -59,6 +59,9 @@ class ModelConfig:
     ffn_size: int | None = None
     vocab_size: int | None = None
     max_positions: int | None = None
+    # The output head shares the input embedding (config.json's tie_word_embeddings), for the offline
+    # fallback of a family whose default differs; null: the family's default.
+    tied_embeddings: bool | None = None
     # Seed of the random weights and of nothing else (the run seed drives training).
     init_seed: int = 0
     # Execute model code shipped with a hub checkpoint; off unless you trust the repository.

@@ -147,6 +147,17 @@ EVAL_SPLITS = {"Dahoas/rm-static": "test", "Dahoas/full-hh-rlhf": "test",
                "Cohere/miracl-ja-queries-22-12": "dev", "openai/gsm8k": "test", "hendrycks/competition_math": "test",
                "DigitalLearningGmbH/MATH-lighteval": "test"}
 
+# Rows of hub datasets' splits as their dataset cards publish them (the cards' dataset_info / split
+# sizes), for the forecast where the hub is unreachable: (hub id, split) -> rows.
+PUBLISHED_ROWS = {
+    ("Dahoas/rm-static", "train"): 76_256, ("Dahoas/rm-static", "test"): 5_103,
+    ("Dahoas/full-hh-rlhf", "train"): 112_052, ("Dahoas/full-hh-rlhf", "test"): 12_451,
+    ("Dahoas/synthetic-instruct-gptj-pairwise", "train"): 33_143,
+    ("yitingxie/rlhf-reward-datasets", "train"): 76_256, ("yitingxie/rlhf-reward-datasets", "test"): 5_103,
+    ("HuggingFaceH4/ultrafeedback_binarized", "train_prefs"): 61_135,
+    ("HuggingFaceH4/ultrafeedback_binarized", "test_prefs"): 2_000,
+}
+
 
 def map_columns(columns: dict[str, str]) -> Adapter:
     """An adapter for any table: our column name -> the table's column name."""
