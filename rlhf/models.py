@@ -575,7 +575,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                               task_type=None if is_reward else "CAUSAL_LM",
                               modules_to_save=["score"] if is_reward else None)
-    model = get_peft_model(model, peft_cfg)
+    # Adapters in the base model's dtype: PEFT's fp32 adapters beside bf16/fp16 weights stop ZeRO-3, whose
+    # partitions hold one dtype (the optimizer keeps its own fp32 copy of every trainable weight).
+    model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=False)
     if not cfg.only_optimize_lora:
         for p in model.parameters():
             p.requires_grad_(True)
