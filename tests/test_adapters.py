@@ -68,6 +68,15 @@ FIXTURES = {
     "local/jsonfile": (
         [{"prompt": " Human: Hi Assistant:", "chosen": " Hello.", "rejected": " Bye."}],
         (" Human: Hi Assistant:", " Hello.", " Bye.")),
+    "openai/gsm8k": (
+        [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}],
+        (" Human: Tom has 3 apples and buys 4 more. How many? Assistant:", " 3 + 4 = <<3+4=7>>7\n#### 7", "")),
+    "hendrycks/competition_math": (
+        [{"problem": "What is $2^3$?", "level": "Level 1", "type": "Algebra", "solution": "$2^3 = \\boxed{8}$."}],
+        (" Human: What is $2^3$? Assistant:", " $2^3 = \\boxed{8}$.", "")),
+    "DigitalLearningGmbH/MATH-lighteval": (
+        [{"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra", "solution": "$\\boxed{2}$"}],
+        (" Human: What is $1+1$? Assistant:", " $\\boxed{2}$", "")),
 }
 
 
@@ -117,8 +126,8 @@ def test_column_mapping_for_any_table(tmp_path):
 
 
 def test_missing_column_and_unreadable_row_are_named(tmp_path):
-    with pytest.raises(ValueError, match=r"data.sources\[0\].path=.* has no column 'chosen'"):
-        load_source(SourceConfig(path=_folder(tmp_path / "a", [{"prompt": "p", "answer": "x"}])), "train", 0)
+    with pytest.raises(ValueError, match=r"data.sources\[0\].path=.* has no column 'chosen' \(nor 'answer'\)"):
+        load_source(SourceConfig(path=_folder(tmp_path / "a", [{"prompt": "p", "reply": "x"}])), "train", 0)
     good = {"question": {"full_text": "Q?"}, "answer_0": "A.", "score_0": 0.0, "answer_1": "B.", "score_1": 1.0}
     bad = {**good, "question": {"title": "no full text"}}
     with pytest.raises(ValueError, match=r"data.sources\[0\] .*row 2: the openai/webgpt_comparisons adapter cannot"):

@@ -24,7 +24,19 @@ def test_shipped_files_are_what_the_generator_writes(tmp_path):
                 (ROOT / "data" / "synthetic" / task / f"{split}.jsonl").read_bytes()
 
 
-@pytest.mark.parametrize("task", list(synthetic.SIZES))
+def test_the_numbers_task_s_reference_answers_are_right_by_the_math_rule_and_near_misses_are_not():
+    from rlhf.verifiers import math_score
+
+    rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / "numbers" / "train.jsonl")][:500]
+    for row in rows:
+        kind, numbers = row["prompt"].split(" of ")[0].split()[-1], [int(n) for n in row["prompt"].split(" of ")[1]
+                                                                     .split("?")[0].split(", ")]
+        assert row["answer"] == f" {max(numbers) if kind == 'largest' else min(numbers)}" and "rejected" not in row
+        assert math_score(row["prompt"], row["answer"], row["answer"]) == 1.0
+        assert math_score(row["prompt"], f" {int(row['answer']) + 1}", row["answer"]) == 0.0
+
+
+@pytest.mark.parametrize("task", [t for t in synthetic.SIZES if t != "numbers"])
 def test_rule_accepts_chosen_rejects_near_misses(task):
     rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / task / "train.jsonl")][:500]
     for row in rows:

@@ -96,7 +96,8 @@ def _adapt(ds: Dataset, src: SourceConfig, key: str, tokenizer=None) -> Dataset:
             ds = ds.rename_column("answer", "chosen")
         missing = [c for c in ("prompt", "chosen") if c not in ds.column_names]
         if missing:
-            raise DataError(f"{key}.path={src.path!r} has no column {missing[0]!r} (columns: {ds.column_names}); "
+            raise DataError(f"{key}.path={src.path!r} has no column {missing[0]!r}"
+                            + (" (nor 'answer')" if missing[0] == "chosen" else "") + f" (columns: {ds.column_names}); "
                              f"set {key}.columns or {key}.adapter")
         if "rejected" not in ds.column_names:
             ds = ds.add_column("rejected", [""] * len(ds))
