@@ -96,11 +96,15 @@ def parse_junit(xml: Path) -> dict[str, dict]:
 
 
 def _entry(m: dict | None, ok: bool) -> str:
+    """``value (bound)``; FAIL where the figure missed its bound, a trailing * where it held but its test
+    failed on another assertion."""
     if m is None:
         return "pass" if ok else "FAIL"
     op = (">" if m["strict"] else ">=") if m["higher"] else ("<" if m["strict"] else "<=")
     text = f"{m['value']:.4g} ({op}{m['bound']:.4g})"
-    return text if ok else f"FAIL {text}"
+    held = {">": m["value"] > m["bound"], ">=": m["value"] >= m["bound"], "<": m["value"] < m["bound"],
+            "<=": m["value"] <= m["bound"]}[op]
+    return f"FAIL {text}" if not held else text + ("" if ok else " *")
 
 
 def _slack(m: dict) -> float:
