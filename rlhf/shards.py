@@ -44,7 +44,8 @@ FAMILY_CLASSES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
 def unsupported(family: str, heads: int, ffn: int, t: int, kv_heads: int | None = None) -> str | None:
     """Why a model cannot be split over ``t`` ranks for generation; None if it can."""
     if FAMILY_CLASSES.get(family, family) not in PLANS:
-        return f"model.family={family!r} has no tensor-parallel plan (rlhf.shards.PLANS: {', '.join(FAMILY_CLASSES)})"
+        return (f"model.family={family!r} has no tensor-parallel plan (rlhf.shards.PLANS has "
+                f"{', '.join(PLANS)}): use step.zero3_generation=gather or layerwise")
     for what, n in (("attention heads", heads), ("key/value heads", kv_heads or heads), ("MLP width", ffn)):
         if n % t:
             return f"its {n} {what} do not split over {t} ranks"

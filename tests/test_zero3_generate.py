@@ -94,13 +94,16 @@ def test_bad_mode_is_named():
             memory.generation_gathering(cfg)
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
+# The tiny LLaMA as it is, and with grouped-query attention (2 key/value heads for 4 query heads: each
+# rank's tensor-parallel slice holds one).
+@pytest.fixture(scope="module", params=["mha", pytest.param("gqa", marks=pytest.mark.slow)])
+def two_rank_run(tmp_path_factory, request):
     """Both engine kinds, ZeRO-3 and ZeRO-0, on 2 CPU ranks: what each rank saw."""
     tmp = tmp_path_factory.mktemp("zero3_generate")
     files = []
+    model = ["model.num_kv_heads=2"] if request.param == "gqa" else []
     for name, extra in (("zero3", ["zero=3"]), ("zero0", ["zero=0"]), ("lora", ["zero=3", "lora.rank=4"])):
-        cfg = compose([*TINY, *extra])
+        cfg = compose([*TINY, *model, *extra])
         schema = to_schema(cfg)
         files.append(tmp / f"{name}.yaml")
         files[-1].write_text(OmegaConf.to_yaml(cfg, resolve=True))
