@@ -239,7 +239,8 @@ class LoraConfig:
     # Dropout on the LoRA branch input (SFT and reward; off where a step disables dropout: PPO, and DPO /
     # SimPO with step.disable_dropout).
     dropout: float = 0.0
-    # Modules that get adapters: names or suffixes, or ["all-linear"] (PEFT's every linear but the head).
+    # Modules that get adapters: names or suffixes, ["all-linear"] (PEFT's every linear but the head), or
+    # ["peft-default"] (the family's defaults from PEFT's own mapping; refused where PEFT has none).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     # Train only the adapters (DeepSpeed-Chat's --only_optimize_lora); false also trains the base.
     only_optimize_lora: bool = True
