@@ -28,12 +28,12 @@ from rlhf.config import (
     load_model_file,
     looks_local,
     missing_paths,
-    ppo_role_problems,
     ppo_updates_per_step,
     step_roles,
 )
 from rlhf.errors import DiskFullError
 from rlhf.files import write_whole
+from rlhf.probes import hub_unreachable
 
 # Environment variables that could carry secrets are never written into the run directory.
 _SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
@@ -146,6 +146,8 @@ def preflight(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -
     # Where the sizes below come from: the model's config.json, or its conf/model numbers offline.
     sized = [schema.model] + ([critic] if critic and any(not r.lm_head for r in step_roles(schema)) else [])
     lines += [f"sizes [{m.name}]: {memory.sizes(m).describe()}" for m in sized]
+    from rlhf.models import ppo_role_problems  # torch and transformers: loaded where a model is sized
+
     problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
     if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
         # (an earlier step of the same chain writes the folders in will_exist: sized by its numbers until then)
@@ -227,26 +229,6 @@ def slurm_node(schema: Config, hosts: list[str]) -> None:
     schema.launch.master_addr = schema.launch.master_addr or hosts[0]
     print(f"[slurm] node {schema.launch.node_rank} of {nodes}: starting its {schema.hardware.devices_per_node} "
           f"rank(s); rank 0 on {schema.launch.master_addr}", flush=True)
-
-
-def hub_unreachable(repo_id: str) -> str | None:
-    """Why a hub model id cannot be loaded here, or None: it is in the Hugging Face cache, or the hub
-    answers. Asked once, in seconds, instead of from_pretrained's minutes of retries on every rank."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        return None
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set and it is not in the Hugging Face cache (HF_HOME)"
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=5).close()
-    except OSError as err:
-        return f"{host} cannot be reached ({err}) and it is not in the Hugging Face cache (HF_HOME)"
-    return None
 
 
 def cpu_bf16() -> str:

@@ -30,7 +30,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rlhf.config import PROJECT_ROOT, RANDOM_FAMILIES, ConfigError, LoraConfig, ModelConfig
+from rlhf.config import PROJECT_ROOT, RANDOM_FAMILIES, Config, ConfigError, LoraConfig, ModelConfig, load_model_file
 
 # Special tokens of the tokenizers we train: pad is distinct from eos so that a mask built from
 # pad never hides a real end of answer.
@@ -348,7 +348,7 @@ def read_config(path: str, trust_remote_code: bool = False):
     if not local and (path, trust_remote_code) in _HUB_CONFIGS:
         return _HUB_CONFIGS[path, trust_remote_code]
     if not local:
-        from rlhf.launch_step import hub_unreachable
+        from rlhf.probes import hub_unreachable
 
         if why := hub_unreachable(path):
             _HUB_CONFIGS[path, trust_remote_code] = None, why
@@ -586,3 +586,26 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
 def is_lora_param(name: str) -> bool:
     return "lora_" in name
+
+
+def ppo_role_problems(cfg: Config) -> list[str]:
+    """What makes a PPO config unrunnable before any model loads: a missing reward model, or roles
+    whose sizes (model_sizes: their config.json, else their conf/model numbers) say they
+    use another tokenizer than the actor. Used by the dry-run, the launcher and the runner alike."""
+    if cfg.step.name != "ppo":
+        return []
+    problems = []
+    if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
+        problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
+                        "output), or use step.reward_fn=rule step.reward_model_weight=0")
+    actor = model_sizes(cfg.model)
+    for role in ("critic", "reward"):
+        name = getattr(cfg, role).model
+        if not name or (role == "reward" and cfg.step.reward_model_weight == 0):
+            continue
+        other = model_sizes(load_model_file(name))
+        if (other.family, other.vocab_size) != (actor.family, actor.vocab_size):
+            problems.append(f"{role}.model={name} ({other.family}, vocabulary {other.vocab_size}) does not share the "
+                            f"actor's tokenizer (model={cfg.model.name}: {actor.family}, vocabulary "
+                            f"{actor.vocab_size}); PPO feeds the actor's token ids to the critic and reward model")
+    return problems

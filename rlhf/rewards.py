@@ -110,27 +110,12 @@ def _checked(fn: Callable[..., float], ref: str, references: References | None =
 def task_rule(data_rule: str | None, prompts: Sequence[str], references: References | None = None) -> RewardFn | None:
     """The rule that scores this data's answers: ``data.rule`` when set; else the shipped tasks' rule
     where it parses every one of ``prompts``; else None (nothing can tell right from wrong).
-    ``references``: each prompt's reference answer, for a rule that takes one (rlhf.data.blend.references)."""
+    ``references``: each prompt's reference answer, for a rule that takes one (rlhf.data.blend.data_rule)."""
     if data_rule:
         return resolve(data_rule, "data.rule", references)
     if prompts and all(synthetic.parse_prompt(p) is not None for p in prompts):
         return resolve("synthetic", "data.rule")
     return None
-
-
-def data_rule(data, prompts: Sequence[str], tokenizer=None) -> RewardFn | None:
-    """task_rule for a step's data config: a rule that takes a reference reads it from the data's rows
-    (rendered with ``tokenizer``, as the step renders its prompts)."""
-    from rlhf.data.blend import references
-
-    return task_rule(data.rule, prompts, lambda: references(data, tokenizer))
-
-
-def reference_rule(ref: str, key: str, data, tokenizer=None) -> RewardFn:
-    """resolve, with the data's rows as the references of a rule that takes one."""
-    from rlhf.data.blend import references
-
-    return resolve(ref, key, lambda: references(data, tokenizer))
 
 
 def knows(rule: RewardFn, prompts: Sequence[str]) -> bool:

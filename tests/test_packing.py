@@ -72,7 +72,8 @@ def test_a_packed_batch_gives_the_padded_loss_and_gradients_where_the_model_type
 
 def test_throughput_counts_a_packed_batch_as_the_padded_one_without_its_padding():
     rows = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (2, 5, 3)]
-    padded, packed = Throughput(None, 1, 1), Throughput(None, 1, 1)
+    cfg = to_schema(compose([]))
+    padded, packed = Throughput(cfg, 1, 1), Throughput(cfg, 1, 1)
     padded.add(PadCollator(0)(rows))
     packed.add(PackCollator()(rows))
     assert padded.tokens == packed.tokens == packed.padded == 10 and padded.padded == 15

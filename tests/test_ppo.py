@@ -481,7 +481,7 @@ def test_a_bad_rule_reference_fails_at_compose_time_naming_it(tmp_path):
         to_schema(compose(["data.rule=no_such_module:score"]))
     with pytest.raises(ConfigError, match=r"step.reward_fn='json:nope': module 'json' .* has no function 'nope'"):
         to_schema(compose(["step=ppo", "step.reward_fn=json:nope"]))
-    with pytest.raises(ConfigError, match=r"step.reward_fn='rules' is neither one of synthetic nor"):
+    with pytest.raises(ConfigError, match=r"step.reward_fn='rules' is neither one of exact, math, synthetic nor"):
         to_schema(compose(["step=ppo", "step.reward_fn=rules"]))
 
 

@@ -14,7 +14,7 @@ from conftest import compose
 
 from rlhf import rewards
 from rlhf.config import DataError, to_schema
-from rlhf.data.blend import DataReport, load_step_data, references
+from rlhf.data.blend import DataReport, data_rule, load_step_data, references
 from rlhf.launch import run
 from rlhf.verifiers import as_number, final_answer, math_score
 
@@ -69,7 +69,7 @@ def test_prompt_and_answer_rows_serve_sft_and_ppo_and_the_pairwise_steps_refuse_
     # The rule gets each prompt's reference answer, train and eval rows alike.
     table = references(cfg)
     assert table[" Human: What is 3 + 3? Assistant:"] == " 6" and table[" Human: What is 105 + 105? Assistant:"] == " 210"
-    rule = rewards.data_rule(cfg, evals["prompt"])
+    rule = data_rule(cfg, evals["prompt"])
     assert rule(" Human: What is 105 + 105? Assistant:", " 210") == 1.0
     assert rule(" Human: What is 105 + 105? Assistant:", " 211") == 0.0
     with pytest.raises(RuntimeError, match="no row of the data has one for prompt ' Human: What is 7 - 1"):
@@ -83,7 +83,7 @@ def test_a_users_rule_with_a_reference_parameter_receives_it_and_a_two_argument_
         "def plain(prompt, answer):\n    return float(len(answer))\n")
     monkeypatch.chdir(tmp_path)
     cfg = to_schema(compose([f"data.sources=[{{path: {data}}}]", "data.rule=my_rules:with_ref"])).data
-    rule = rewards.data_rule(cfg, [])
+    rule = data_rule(cfg, [])
     assert rule(" Human: What is 4 + 4? Assistant:", " 8") == 2.0
     assert rule(" Human: What is 4 + 4? Assistant:", " 9") == 0.0
     plain = rewards.task_rule("my_rules:plain", [])
@@ -105,7 +105,7 @@ def test_gsm8k_math_and_conversation_rows_map_to_a_prompt_and_its_reference(tmp_
         cfg = to_schema(compose([f"data.sources=[{source}]", "data.rule=math"])).data
         evals = load_step_data(cfg, "sft", DataReport())[1]
         assert evals["prompt"] == [prompt], evals["prompt"]
-        rule = rewards.data_rule(cfg, evals["prompt"])
+        rule = data_rule(cfg, evals["prompt"])
         assert rule(prompt, answer) == 1.0 and rule(prompt, " 13") == 0.0
 
 

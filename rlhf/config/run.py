@@ -202,31 +202,6 @@ def ppo_updates_per_step(cfg: Config) -> int:
                                                                     cfg.step.gradient_accumulation_steps)
 
 
-def ppo_role_problems(cfg: Config) -> list[str]:
-    """What makes a PPO config unrunnable before any model loads: a missing reward model, or roles
-    whose sizes (rlhf.models.model_sizes: their config.json, else their conf/model numbers) say they
-    use another tokenizer than the actor. Used by the dry-run, the launcher and the runner alike."""
-    if cfg.step.name != "ppo":
-        return []
-    problems = []
-    if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
-        problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
-                        "output), or use step.reward_fn=rule step.reward_model_weight=0")
-    from rlhf.models import model_sizes  # transformers: only where a PPO config is checked
-
-    actor = model_sizes(cfg.model)
-    for role in ("critic", "reward"):
-        name = getattr(cfg, role).model
-        if not name or (role == "reward" and cfg.step.reward_model_weight == 0):
-            continue
-        other = model_sizes(load_model_file(name))
-        if (other.family, other.vocab_size) != (actor.family, actor.vocab_size):
-            problems.append(f"{role}.model={name} ({other.family}, vocabulary {other.vocab_size}) does not share the "
-                            f"actor's tokenizer (model={cfg.model.name}: {actor.family}, vocabulary "
-                            f"{actor.vocab_size}); PPO feeds the actor's token ids to the critic and reward model")
-    return problems
-
-
 def missing_paths(cfg: Config, will_exist: tuple[str, ...] = ()) -> list[str]:
     """Model folders the run would load that are not there (and that no earlier step of a chain
     will write): refused before anything loads, instead of a hub error about repo ids."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, concatenate_datasets, load_dataset
 
+from rlhf import rewards
 from rlhf.config import STEPS, ConfigError, DataConfig, DataError, SourceConfig, looks_local
 from rlhf.data.adapters import (
     ADAPTERS,
@@ -309,3 +310,14 @@ def references(cfg: DataConfig, tokenizer=None) -> dict[str, str]:
                 if chosen:
                     table.setdefault(prompt, chosen)
     return table
+
+
+def data_rule(data: DataConfig, prompts: list[str], tokenizer=None):
+    """rewards.task_rule for a step's data config: a rule that takes a reference reads it from the
+    data's rows (rendered with ``tokenizer``, as the step renders its prompts)."""
+    return rewards.task_rule(data.rule, prompts, lambda: references(data, tokenizer))
+
+
+def named_rule(ref: str, key: str, data: DataConfig, tokenizer=None):
+    """rewards.resolve, with the data's rows as the references of a rule that takes one."""
+    return rewards.resolve(ref, key, lambda: references(data, tokenizer))

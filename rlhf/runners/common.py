@@ -66,10 +66,10 @@ def greedy_check(cfg: Config, eval_prompts: list[str], tokenizer, report) -> tup
     """The data's rule and the held-out prompts a step with no readiness rule scores greedy answers on
     (step.eval_accuracy_prompts of the reported half, the prompts every step of a chain reports on);
     no prompts where no rule scores them."""
-    from rlhf import rewards, rollout
-    from rlhf.data.blend import heldout_split
+    from rlhf import rollout
+    from rlhf.data.blend import data_rule, heldout_split
 
-    rule = rewards.data_rule(cfg.data, eval_prompts, tokenizer)
+    rule = data_rule(cfg.data, eval_prompts, tokenizer)
     rows = heldout_split(eval_prompts, cfg.data.seed, cfg.step.eval_accuracy_prompts)[1]
     if not cfg.step.eval_accuracy_prompts or rule is None or not rows:
         return rule, []

@@ -41,8 +41,8 @@ from rlhf.checkpoint import (
     save_hf_model,
     set_rng_state,
 )
-from rlhf.config import Config, ConfigError, ppo_role_problems, ppo_updates_per_step
-from rlhf.data.blend import DataReport, heldout_split, load_step_data, load_text_sources
+from rlhf.config import Config, ConfigError, ppo_updates_per_step
+from rlhf.data.blend import DataReport, data_rule, heldout_split, load_step_data, load_text_sources, named_rule
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.distributed import cat_over_ranks, first_copies, rank_share, sum_over_ranks, world_size
 from rlhf.logging import peak_memory_gb
@@ -424,7 +424,7 @@ def checked_tokenizer(cfg: Config) -> tuple[object, str, str, str]:
     reward model of another tokenizer (it would score the actor's token ids as noise)."""
     actor_path = cfg.actor.path or models.resolve_path(cfg.model)
     reward_path = cfg.reward.path or cfg.critic.path
-    if problems := ppo_role_problems(cfg):
+    if problems := models.ppo_role_problems(cfg):
         raise ConfigError("; ".join(problems))
     # Critic-free estimators (GRPO, RLOO, REINFORCE++) build no critic: no model, optimizer or checkpoint.
     critic_path = (cfg.critic.path or reward_path or actor_path) \
@@ -488,15 +488,15 @@ def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompt
     step_cfg, (actor_path, critic_path, reward_path) = cfg.step, paths
     # The data's rule (data.rule, or the shipped tasks' on their prompts) measures greedy accuracy and
     # the truth of the rollouts even when it is not part of the reward: the check against the truth.
-    data_rule = rewards.data_rule(cfg.data, [p["prompt"] for p in eval_prompts], tokenizer)
+    truth = data_rule(cfg.data, [p["prompt"] for p in eval_prompts], tokenizer)
     rule_fn = None
     if step_cfg.reward_fn == rewards.DATA_RULE:
-        if data_rule is None:
+        if truth is None:
             raise ConfigError("step.reward_fn=rule but no rule scores these prompts: set data.rule="
                               "package.module:function, or give step.reward_fn such a reference")
-        rule_fn = data_rule
+        rule_fn = truth
     elif step_cfg.reward_fn:
-        rule_fn = rewards.reference_rule(step_cfg.reward_fn, "step.reward_fn", cfg.data, tokenizer)
+        rule_fn = named_rule(step_cfg.reward_fn, "step.reward_fn", cfg.data, tokenizer)
     dtype, trust = engine_factory.model_dtype(cfg), cfg.model.trust_remote_code
     with engine_factory.loading_context(cfg):
         actor_model = models.load_causal_lm(actor_path, tokenizer, dtype, 0.0, trust)
@@ -516,7 +516,7 @@ def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompt
                          if reward_model is not None else (None, None))
     ds_configs = {k: v for k, v in {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds,
                                     "reward": reward_ds}.items() if v}
-    return Roles(tokenizer, actor_path, actor, ref, critic, reward, rule_fn, data_rule or rule_fn, ds_configs,
+    return Roles(tokenizer, actor_path, actor, ref, critic, reward, rule_fn, truth or rule_fn, ds_configs,
                  count_params(actor.module), count_params(critic.module) if critic else 0,
                  count_params(reward.module) if reward else 0)
 

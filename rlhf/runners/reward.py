@@ -25,11 +25,11 @@ import torch.distributed as dist
 from datasets import Dataset, concatenate_datasets
 
 from rlhf import engine as engine_factory
-from rlhf import losses, models, rewards, rollout
+from rlhf import losses, models, rollout
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
-from rlhf.data.blend import DataReport, heldout_split, load_step_data
+from rlhf.data.blend import DataReport, data_rule, heldout_split, load_step_data, named_rule
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.distributed import first_copies, rank_share
 from rlhf.runners import common, loop
@@ -136,7 +136,7 @@ def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> li
         return shipped_candidates(prompts, cfg.step.rule_check_answers, cfg.data.seed)
     if cfg.data.rule:
         rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
-        return rule_candidates(rows.select(heldout_split(rows["prompt"], cfg.data.seed)[1]), rewards.reference_rule(cfg.data.rule, "data.rule", cfg.data, tokenizer))
+        return rule_candidates(rows.select(heldout_split(rows["prompt"], cfg.data.seed)[1]), named_rule(cfg.data.rule, "data.rule", cfg.data, tokenizer))
     return []
 
 
@@ -161,7 +161,7 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str, report: DataReport) -
         return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
     rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[0].shuffle(seed=cfg.data.seed)
     rows = rows.select(range(min(step_cfg.policy_pairs_prompts, len(rows))))
-    rule = rewards.data_rule(cfg.data, rows["prompt"], tokenizer)
+    rule = data_rule(cfg.data, rows["prompt"], tokenizer)
     if rule is None:
         return [], {}
     best_known = {r["prompt"]: r["chosen"] for r in rows}

@@ -15,9 +15,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf import memory, models, readiness, rewards, rollout
+from rlhf import memory, models, readiness, rollout
 from rlhf.config import Config
-from rlhf.data.blend import heldout_split
+from rlhf.data.blend import data_rule, heldout_split
 from rlhf.data.tokenize import IGNORE_INDEX, PackCollator, PadCollator, sft_dataset
 from rlhf.runners import common, loop
 
@@ -69,7 +69,7 @@ def run(cfg: Config) -> dict:
     # the stop rule reads one half of the held-out prompts (select/accuracy), the reported figure
     # (eval/accuracy, before training and of the output) comes from the other half.
     select_prompts, report_prompts = [], []
-    rule = rewards.data_rule(cfg.data, eval_prompts, tokenizer)
+    rule = data_rule(cfg.data, eval_prompts, tokenizer)
     parts = heldout_split(eval_prompts, cfg.data.seed, step_cfg.eval_accuracy_prompts)
     if step_cfg.eval_accuracy_prompts and rule is not None and all(parts):
         select_prompts, report_prompts = (
