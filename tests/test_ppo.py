@@ -122,8 +122,11 @@ def test_scoring_in_generation_chunks_gives_the_same_step(tmp_path, sft_and_rewa
                      f"run_dir={tmp_path / str(chunk)}"]))
         rows[chunk] = next(json.loads(line) for line in open(tmp_path / str(chunk) / "metrics.jsonl")
                            if "policy_loss" in line)
-    for key in ("answer_len", "reward/score_mean", "reward/rm_score", "kl", "policy_loss", "value_loss", "entropy"):
+    for key in ("answer_len", "reward/score_mean", "reward/rm_score", "kl", "policy_loss", "value_loss"):
         assert rows[5][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
+    # The entropy is of softmax(logits / 0.001): a last-bit difference between a 5-row and a 16-row
+    # matrix product (AVX2 kernels: 2e-4 relative) is a thousand times larger there.
+    assert rows[5]["entropy"] == pytest.approx(rows[0]["entropy"], rel=1e-2)
 
 
 def test_ppo_keeps_its_best_actor_by_one_half_of_the_prompts_and_reports_the_other(tmp_path, sft_and_reward):
