@@ -48,6 +48,8 @@ class Panel:
     spread: str | None = None
     # Said in a panel whose keys were logged but never finite.
     undefined: str = "logged, never finite"
+    # A non-negative figure drawn from 0 (a learning rate): a schedule's last 0.03% is not a drop.
+    from_zero: bool = False
 
 
 PANELS: tuple[Panel, ...] = (
@@ -81,7 +83,7 @@ PANELS: tuple[Panel, ...] = (
                                     ("kl_loss", "KL in the loss"))),
     Panel("time per step (s)", (("step_s", "step"), ("generate_s", "generation"), ("experience_s", "experience"),
                                 ("train_s", "updates"))),
-    Panel("learning rate", (("lr", "lr"),)),
+    Panel("learning rate", (("lr", "lr"),), from_zero=True),
 )
 
 
@@ -175,6 +177,8 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
     several = len(runs) > 1
     for ax, panel in zip(axes, panels, strict=False):
         ax.set_title(panel.title, fontsize=10)
+        # Values as they are: an offset ("1e-6 + 2.999e-3") made a constant learning rate read as 0 to 1.
+        ax.yaxis.set_major_formatter(ticker.ScalarFormatter(useOffset=False))
         drawn = False
         styled: dict[str, int] = {}  # several runs: series label -> index, for a legend of line styles
         twins: list = []  # second y axes, whose lines join this panel's one legend
@@ -217,6 +221,8 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
             ax.axhline(panel.chance, color="grey", linewidth=0.8, linestyle=":", label="chance")
         if panel.fraction:
             ax.set_ylim(-0.03, 1.03)
+        elif panel.from_zero and drawn:
+            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-12) * 1.05)
         if not drawn:  # logged, never finite (an AUC when every rollout was scored the same by the rule)
             ax.text(0.5, 0.5, panel.undefined, ha="center", va="center", transform=ax.transAxes, fontsize=8,
                     color="dimgrey", bbox={"facecolor": "white", "edgecolor": "none"})
