@@ -15,12 +15,17 @@ if "DS_ACCELERATOR" not in os.environ:
 def compose(overrides: list[str] | None = None):
     """The config `python launch.py <overrides>` would run, as an OmegaConf DictConfig, to inspect or
     change before `train`. Raises rlhf.config.ConfigError for a wrong key, value or group option."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
+
     from rlhf.config import check_override_keys, compose_config
 
     overrides = list(overrides or [])
-    check_override_keys(overrides)
-    cfg = compose_config(overrides, with_hydra=True)
-    from omegaconf import OmegaConf, open_dict
+    try:
+        cfg = compose_config(overrides, with_hydra=True)
+    except HydraException:
+        check_override_keys(overrides)  # says the same error in one line (ConfigError)
+        raise
 
     run_dir = cfg.run_dir or OmegaConf.select(cfg, "hydra.run.dir")  # where launch.py would write
     with open_dict(cfg):

@@ -17,6 +17,11 @@ _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?%?|-?\$?\.\d+%?")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 
 
+def _latex_fractions(text: str) -> str:
+    """\\frac{a}{b} (and \\dfrac, \\tfrac) written as a/b."""
+    return _FRAC.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text)
+
+
 def _boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (braces nested), as MATH's solutions mark their answer."""
     start = text.rfind("\\boxed")
@@ -45,7 +50,7 @@ def final_answer(text: str) -> str:
 def as_number(text: str) -> Fraction | None:
     """The number ``text`` states (the last one in it, so '... is 72.' gives 72), exactly: 1,000 and
     1000, 0.5 and 1/2 and \\frac{1}{2}, 50% and 0.5 are equal. None where it states no number."""
-    text = _FRAC.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text).replace("\\!", "").replace("{,}", ",")
+    text = _latex_fractions(text).replace("\\!", "").replace("{,}", ",")
     found = _NUMBER.findall(text)
     if not found:
         return None
@@ -75,7 +80,7 @@ def math_score(prompt: str, answer: str, reference: str) -> float:
 
 
 def _is_number(text: str) -> bool:
-    text = _FRAC.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text).strip().rstrip(".")
+    text = _latex_fractions(text).strip().rstrip(".")
     return _NUMBER.fullmatch(text.replace(" ", "")) is not None
 
 
