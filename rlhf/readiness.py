@@ -79,8 +79,8 @@ def _policy_too_weak(pipe, sft: dict, chain_dir: Path) -> str | None:
 
 
 def sft_fix(sft: dict, chain_dir: Path) -> str:
-    """The override that changes what ended an SFT that was not ready: its loss-plateau stop (at 0% on
-    every untuned task measured, a learning rate too high for the task, not a finished step), or
+    """The override that changes what ended an SFT that was not ready: its loss-plateau stop (a plateau
+    at near-zero accuracy points to a learning rate too high for the task, docs/design-notes.md), or
     its cap on steps or epochs."""
     cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml") if (chain_dir / "sft" / "config.yaml").exists() else {}
     step, lr = cfg.get("step", {}), cfg.get("optim", {}).get("lr")
