@@ -76,9 +76,10 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, overrides: list[str], command:
 _NOT_RESULTS = ("logging", "resume", "launch", "checkpoint", "run_dir", "step.log_every_steps")
 
 
-def _flat(node, prefix: str = "") -> dict:
+def flat_keys(node, prefix: str = "") -> dict:
+    """A nested config container as {dotted key: leaf}."""
     if isinstance(node, dict):
-        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+        return {k: v for key, value in node.items() for k, v in flat_keys(value, f"{prefix}{key}.").items()}
     return {prefix[:-1]: node}
 
 
@@ -89,8 +90,8 @@ def changed_settings(run_dir: Path, cfg: DictConfig) -> list[str]:
     old_file = run_dir / "config.yaml"
     if not old_file.exists() or not ((run_dir / "final_metrics.json").exists() or (run_dir / "checkpoints").exists()):
         return []
-    old = _flat(OmegaConf.to_container(OmegaConf.load(old_file), resolve=False))
-    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    old = flat_keys(OmegaConf.to_container(OmegaConf.load(old_file), resolve=False))
+    new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
     return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and not any(k == p or k.startswith(p + ".") for p in _NOT_RESULTS)]
 

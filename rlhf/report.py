@@ -39,18 +39,10 @@ def expand(path: Path) -> list[tuple[str, Path]]:
 def flat_config(run_dir: Path) -> dict[str, object]:
     from omegaconf import OmegaConf
 
+    from rlhf.launch_step import flat_keys
+
     path = run_dir / "config.yaml"
-    if not path.exists():
-        return {}
-
-    def walk(node, prefix=""):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                yield from walk(v, f"{prefix}{k}.")
-        else:
-            yield prefix[:-1], node
-
-    return dict(walk(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
+    return flat_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False)) if path.exists() else {}
 
 
 def config_differences(runs: list[Run]) -> dict[str, list[object]]:

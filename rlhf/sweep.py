@@ -197,21 +197,13 @@ def _log_axis(key: str, x: list[float]) -> bool:
 
 def _job_curve(sweep_dir: Path, row: dict, key: str) -> tuple[list[float], list[float]]:
     """A job's logged ``key`` by step: its metrics.jsonl, or a chain's last step's."""
+    from rlhf.curves import load_run
+
     job = sweep_dir / row["job"]
-    path = job / "metrics.jsonl"
-    if not path.exists() and (job / "manifest.json").exists():
+    if not (job / "metrics.jsonl").exists() and (job / "manifest.json").exists():
         steps = json.loads((job / "manifest.json").read_text()).get("steps", {})
-        path = Path(list(steps.values())[-1]["run_dir"]) / "metrics.jsonl" if steps else path
-    xs, ys = [], []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            point = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(point.get(key), int | float) and math.isfinite(point[key]):
-            xs.append(point["step"])
-            ys.append(point[key])
-    return xs, ys
+        job = Path(list(steps.values())[-1]["run_dir"]) if steps else job
+    return load_run(job).series(key)
 
 
 def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
