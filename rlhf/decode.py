@@ -98,13 +98,21 @@ def _llama_forward(model, ids, cache, start, mask):
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k, v = (_heads(proj(x), attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (_heads(cache.linear(proj, x), attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         if hasattr(attn, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key, before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        h = h + attn.o_proj(cache.attend(i, q, k, v, start, mask, attn.scaling))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(inner.norm(h[:, -1]))
+        h = h + cache.linear(attn.o_proj, cache.attend(i, q, k, v, start, mask, attn.scaling))
+        h = h + _gated_mlp(cache, layer.mlp, layer.post_attention_layernorm(h))
+    return cache.linear(model.lm_head, inner.norm(h[:, -1]))
+
+
+def _gated_mlp(cache, mlp, x):
+    """LLaMA's MLP, down(act(gate(x)) * up(x)), with its projections through ``cache.linear``; another
+    MLP (a mixture of experts, ...) through its own forward."""
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return mlp(x)
+    return cache.linear(mlp.down_proj, mlp.act_fn(cache.linear(mlp.gate_proj, x)) * cache.linear(mlp.up_proj, x))
 
 
 def _opt_forward(model, ids, cache, start, mask):
@@ -120,13 +128,13 @@ def _opt_forward(model, ids, cache, start, mask):
         attn, pre = layer.self_attn, layer.do_layer_norm_before
         x = layer.self_attn_layer_norm(h) if pre else h
         # OPT scales the query before the product, not the scores (its own order, kept for equality).
-        q = _heads(attn.q_proj(x) * attn.scaling, attn.head_dim)
-        k, v = _heads(attn.k_proj(x), attn.head_dim), _heads(attn.v_proj(x), attn.head_dim)
-        h = h + attn.out_proj(cache.attend(i, q, k, v, start, mask, 1.0))
+        q = _heads(cache.linear(attn.q_proj, x) * attn.scaling, attn.head_dim)
+        k, v = _heads(cache.linear(attn.k_proj, x), attn.head_dim), _heads(cache.linear(attn.v_proj, x), attn.head_dim)
+        h = h + cache.linear(attn.out_proj, cache.attend(i, q, k, v, start, mask, 1.0))
         if not pre:
             h = layer.self_attn_layer_norm(h)
         x = layer.final_layer_norm(h) if pre else h
-        h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        h = h + cache.linear(layer.fc2, layer.activation_fn(cache.linear(layer.fc1, x)))
         if not pre:
             h = layer.final_layer_norm(h)
     h = h[:, -1]
@@ -134,7 +142,7 @@ def _opt_forward(model, ids, cache, start, mask):
         h = dec.final_layer_norm(h)
     if dec.project_out is not None:
         h = dec.project_out(h)
-    return model.lm_head(h)
+    return cache.linear(model.lm_head, h)
 
 
 # Family forwards by transformers class name; a family not here decodes through its own forward.
@@ -182,6 +190,17 @@ class _Cache:
     def __init__(self, positions: torch.Tensor, dtype: torch.dtype | None = None):
         self.positions, self.length, self.dtype = positions, positions.shape[1], dtype
         self.keys, self.values, self.tables = {}, {}, {}
+        self.fp32 = {}  # nn.Linear -> its (weight, bias) in fp32, for ``linear``
+
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``; for a plain half-precision ``nn.Linear`` on CPU whose product is small
+        (``SMALL_MATMUL``), the same product through an fp32 copy of its weights, rounded back to
+        ``x``'s dtype. The copies are made once per decode: the weights change between rollouts."""
+        if not _fp32_is_faster(module, x):
+            return module(x)
+        if module not in self.fp32:
+            self.fp32[module] = (module.weight.float(), None if module.bias is None else module.bias.float())
+        return F.linear(x.float(), *self.fp32[module]).to(x.dtype)
 
     @staticmethod
     def window(table: torch.Tensor, dim: int, start, n: int) -> torch.Tensor:
@@ -209,6 +228,22 @@ class _Cache:
         out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+# On CPU a half-precision matrix product costs a fixed 30-40 us per call before any arithmetic (the
+# oneDNN bf16 path); fp32 has no such floor but a lower peak. Below this many multiply-adds
+# (rows x in x out) the fp32 product of the same bf16 weights is faster: every decode token's
+# projections of a small model (one row per sequence), never a prompt's forward or a large model's
+# matrices, which stay in half precision. The products are exact in fp32 (bf16 x bf16 fits) and the
+# sums are fp32 in both paths, so the result rounded back differs from the half-precision one only in
+# summation order (tests/test_decode.py). Measured crossover: docs/design-notes.md.
+SMALL_MATMUL = 1 << 20
+
+
+def _fp32_is_faster(module, x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and type(module) is torch.nn.Linear  # a LoRA or quantized layer runs its own forward
+            and x.numel() // x.shape[-1] * module.weight.numel() <= SMALL_MATMUL)
 
 
 def _own_forward(model, length: int = 0):

@@ -244,8 +244,12 @@ def answer_logits(model, seq: torch.Tensor, attn: torch.Tensor, pos: torch.Tenso
     the head is a big share of a small model's FLOPs (40% for the PPO bench's model), and the prompt's
     positions were half of them."""
     if accepts(model, "logits_to_keep"):
-        return model(input_ids=seq, attention_mask=attn, position_ids=pos,
-                     logits_to_keep=seq.shape[1] - start).logits[:, :-1]
+        # The positions as an index tensor, not a count: the model then gathers them into a contiguous
+        # [batch, positions, hidden] that the head multiplies as one matrix product. A count slices a
+        # strided view, which a product without gradients (the scoring forwards) runs as a batched
+        # product over a copy of the head's weights per sequence.
+        keep = torch.arange(start, seq.shape[1] - 1, device=seq.device)
+        return model(input_ids=seq, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits
     return model(input_ids=seq, attention_mask=attn, position_ids=pos).logits[:, start:-1]
 
 
