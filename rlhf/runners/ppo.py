@@ -59,6 +59,7 @@ from rlhf.rollout import (
     response_mask,
     sampled_answers,
 )
+from rlhf.sampling import Sampling
 from rlhf.runners.common import as_select, count_params, finish, open_logger, say
 
 
@@ -95,8 +96,7 @@ def make_experience(actor, ref, critic, reward, rule_fn, batch, tokenizer, step_
     chunk = step_cfg.generation_batch_size_per_device or batch["input_ids"].shape[0]
     from_rollout = step_cfg.old_logprobs == "rollout"
     pieces = [generate(actor, {k: v[i:i + chunk] for k, v in batch.items() if k != "prompts"}, tokenizer,
-                       step_cfg.max_new_tokens, step_cfg.do_sample, step_cfg.temperature, step_cfg.top_p,
-                       step_cfg.top_k, step_cfg.min_new_tokens, gathering, with_logprobs=from_rollout,
+                       Sampling.of(step_cfg), gathering=gathering, with_logprobs=from_rollout,
                        static=step_cfg.decode_graph)
               for i in range(0, batch["input_ids"].shape[0], chunk)]
     tokens = [p[0] if from_rollout else p for p in pieces]
@@ -268,11 +268,8 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, gathering: int) ->
     chunk = step_cfg.generation_batch_size_per_device or step_cfg.rollout_batch_size_per_device
     scored: list[dict] = []
     device = roles.actor.device
-    sampled = sampled_answers(roles.actor, mine, roles.tokenizer, chunk, cfg.seed + rank,
-                              max_new_tokens=step_cfg.max_new_tokens, do_sample=step_cfg.do_sample,
-                              temperature=step_cfg.temperature, top_p=step_cfg.top_p, top_k=step_cfg.top_k,
-                              min_new_tokens=step_cfg.min_new_tokens, gathering=gathering,
-                              static=step_cfg.decode_graph)
+    sampled = sampled_answers(roles.actor, mine, roles.tokenizer, chunk, cfg.seed + rank, Sampling.of(step_cfg),
+                              gathering=gathering, static=step_cfg.decode_graph)
     for batch, response, rmask, answers in sampled:
         seq = torch.cat([batch["input_ids"].to(device), response], 1)
         attn = torch.cat([batch["attention_mask"].to(device), rmask], 1)
