@@ -150,8 +150,8 @@ def gathered_whole(engine):
     params = [p for p in engine.module.parameters()
               if not (getattr(p, "ds_persist", False) and p.ds_status == ZeroParamStatus.AVAILABLE)]
     # DeepSpeed's memory-efficient linear (zero.memory_efficient_linear) replaces F.linear for the
-    # whole process with an autograd Function: a Python call per linear that made every rollout
-    # token ~25% slower on 2 CPU ranks. Without gradients it saves nothing, so torch's own serves here.
+    # whole process with an autograd Function, a Python call per linear and token. It saves memory
+    # only for a backward; generation has none, so torch's own serves here (docs/design-notes.md).
     linear = F.linear
     with deepspeed.zero.GatheredParameters(params):
         for hook in offload.forward_hooks + offload.backward_hooks:
@@ -244,9 +244,9 @@ def sampled_answers(engine, rows: list[dict], tokenizer, chunk: int, seed: int, 
 
 def answer_logits(model, seq: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, start: int) -> torch.Tensor:
     """Logits at positions start .. end-1, the ones that predict the answer tokens. The LM head runs
-    on those positions only where the model allows it (``logits_to_keep``): with a large vocabulary
-    the head is a big share of a small model's FLOPs (40% for the PPO bench's model), and the prompt's
-    positions were half of them."""
+    on those positions only where the model allows it (``logits_to_keep``): the prompt's positions
+    predict nothing scored, and with a large vocabulary the head is a big share of a small model's
+    FLOPs (docs/design-notes.md)."""
     if accepts(model, "logits_to_keep"):
         return model(input_ids=seq, attention_mask=attn, position_ids=pos,
                      logits_to_keep=seq.shape[1] - start).logits[:, :-1]
