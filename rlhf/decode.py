@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.losses import token_logprobs
+from rlhf.sampling import Sampling
 
 
 def _filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -267,11 +268,13 @@ STATIC_CHECK_EVERY = 16
 
 
 @torch.no_grad()
-def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
-           pad_id: int, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           min_new_tokens: int = 0, synced: bool = False, with_logprobs: bool = False, static: bool = False,
-           tp_group=None):
+def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling | int, eos_id: int,
+           pad_id: int, *, synced: bool = False, with_logprobs: bool = False, static: bool = False, tp_group=None,
+           **settings):
     """New tokens [batch, <= max_new_tokens] for left-padded prompts; after a row's eos, pad.
+
+    ``sampling``: how tokens are drawn (rlhf.sampling.Sampling), or its short form, max_new_tokens
+    with the other settings as keywords (``decode(model, ids, mask, 8, eos, pad, do_sample=True)``).
 
     ``with_logprobs``: (tokens, logprobs), each new token's log-probability under the softmax of
     the logits / temperature over the whole vocabulary, eos left out before ``min_new_tokens``
@@ -289,6 +292,9 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     ``tp_group``: ``model`` is this rank's tensor-parallel slice (rlhf.shards) and the group decodes
     the same rows; every token is the group's first rank's draw, so the group never parts.
     """
+    sampling = Sampling.coerce(sampling, settings)
+    max_new_tokens, min_new_tokens, do_sample = sampling.max_new_tokens, sampling.min_new_tokens, sampling.do_sample
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     own = _own_forward(model, input_ids.shape[1] + max_new_tokens)
     if static and own is None:
         _notice(f"[decode] {type(_base(model)).__name__}: no static decode step for this family (rlhf.decode.FORWARDS)"

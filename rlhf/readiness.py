@@ -17,7 +17,7 @@ from rlhf.config import Config
 # Every refusal of a weak step ends with this: how to run the step anyway (and how a caller that
 # collects refusals, such as the benchmarks, tells one from another error).
 RUN_ANYWAY = "or pipeline.on_weak_step=warn runs it anyway"
-# PPO's start check (rlhf.runners.ppo.policy_check): sampled answers per select prompt, 1024 for the
+# PPO's start check (rlhf.runners.ppo_judge.policy_check): sampled answers per select prompt, 1024 for the
 # default 256 prompts.
 POLICY_CHECK_SAMPLES = 4
 
@@ -124,7 +124,7 @@ def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
 
 def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, run_dir: Path) -> str | None:
     """Why PPO should not train against this reward model, judged at PPO's start from the reward
-    model's scores of the policy's own sampled answers (``figures``: rlhf.runners.ppo.policy_check's,
+    model's scores of the policy's own sampled answers (``figures``: rlhf.runners.ppo_judge.policy_check's,
     ``scored``: its rows, best-scored first); None if the AUC by the rule reaches
     ``pipe.reward_min_policy_auc``. Held-out pairs can be ranked perfectly by a model that has never
     seen the mistakes this policy makes; PPO then climbs their scores."""
@@ -193,3 +193,14 @@ def _sft_stop_at(chain_dir: Path) -> float:
     cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml")
     value = cfg.step.get("stop_at_accuracy")
     return 2.0 if value is None else float(value)
+
+
+def ppo_start_gate(step_dir: Path, rule: str) -> tuple:
+    """How a chain judges PPO's start check (rlhf.runners.ppo_judge.Judge's ``gate`` and
+    ``stop_on_gate``): reward_misjudges_policy against the chain's floor, stopping the step where
+    pipeline.on_weak_step=stop; (None, True) for a step run on its own, which no floor binds."""
+    pipe = chain_settings(step_dir)
+    if pipe is None:
+        return None, True
+    return (lambda figures, scored: reward_misjudges_policy(pipe, figures, scored, rule, step_dir),
+            pipe.on_weak_step == "stop")

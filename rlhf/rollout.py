@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import deepspeed
 import torch
@@ -17,6 +17,7 @@ from rlhf import losses
 from rlhf.data.blend import DataReport
 from rlhf.decode import accepts, decode
 from rlhf.distributed import first_copies, rank_share, sum_over_ranks
+from rlhf.sampling import Sampling
 
 
 @dataclass
@@ -149,8 +150,8 @@ def gathered_whole(engine):
     params = [p for p in engine.module.parameters()
               if not (getattr(p, "ds_persist", False) and p.ds_status == ZeroParamStatus.AVAILABLE)]
     # DeepSpeed's memory-efficient linear (zero.memory_efficient_linear) replaces F.linear for the
-    # whole process with an autograd Function: a Python call per linear that made every rollout
-    # token ~25% slower on 2 CPU ranks. Without gradients it saves nothing, so torch's own serves here.
+    # whole process with an autograd Function, a Python call per linear and token. It saves memory
+    # only for a backward; generation has none, so torch's own serves here (docs/design-notes.md).
     linear = F.linear
     with deepspeed.zero.GatheredParameters(params):
         for hook in offload.forward_hooks + offload.backward_hooks:
@@ -167,12 +168,12 @@ def gathered_whole(engine):
 
 
 @torch.no_grad()
-def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, min_new_tokens: int = 0, gathering: int = 0,
-             with_logprobs: bool = False, static: bool = False):
-    """Answers (response tokens only) for a left-padded prompt batch; stops at eos. With
-    ``with_logprobs``, (answers, their log-probs at the temperature) as ``decode`` gives them;
-    ``static``: through the static (CUDA-graph) decode step, ``decode``'s ``static``.
+def generate(actor, batch: dict, tokenizer, sampling: Sampling | int, *, gathering: int = 0,
+             with_logprobs: bool = False, static: bool = False, **settings):
+    """Answers (response tokens only) for a left-padded prompt batch, drawn as ``sampling`` says
+    (or its short form, as ``decode`` takes it); stops at eos. With ``with_logprobs``, (answers,
+    their log-probs at the temperature) as ``decode`` gives them; ``static``: through the static
+    (CUDA-graph) decode step, ``decode``'s ``static``.
 
     Under ZeRO-3, ``gathering`` (``rlhf.memory.generation_gathering``) says how the actor generates:
     0, ZeRO-3's hooks gather one layer at a time, every token; 1, the whole actor held gathered for
@@ -181,11 +182,10 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
     actor.eval()
     zero3 = actor.zero_optimization_stage() == 3
     ids, mask = batch["input_ids"].to(actor.device), batch["attention_mask"].to(actor.device)
-    args = (max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample, temperature, top_k, top_p,
-            min_new_tokens)
+    args = (Sampling.coerce(sampling, settings), tokenizer.eos_token_id, tokenizer.pad_token_id)
     if zero3 and gathering > 1:
         # Eagerly: the static (CUDA-graph) step with the group's all-reduces inside is not measured.
-        out = _generate_sliced(actor, ids, mask, gathering, tokenizer.pad_token_id, args, with_logprobs)
+        out = _generate_sliced(actor, ids, mask, gathering, args, with_logprobs)
     else:
         with gathered_whole(actor) if zero3 and gathering == 1 else contextlib.nullcontext():
             # Synced even when gathered, for families decoded through the model's own forward: the
@@ -198,13 +198,13 @@ def generate(actor, batch: dict, tokenizer, max_new_tokens: int, do_sample: bool
     return out
 
 
-def _generate_sliced(actor, ids, mask, t: int, pad_id: int, args: tuple, with_logprobs: bool):
+def _generate_sliced(actor, ids, mask, t: int, args: tuple, with_logprobs: bool):
     """``generate`` through tensor-parallel slices: the group decodes all its ranks' prompts as one
     batch (each rank's left-padded to the group's longest, its rows to the most, with copies of its
     first row) and each rank keeps its own rows."""
     from rlhf import shards
 
-    group = shards.tp_group(t)
+    group, pad_id = shards.tp_group(t), args[2]
     shape = torch.tensor(ids.shape, device=ids.device)
     shapes = [torch.zeros_like(shape) for _ in range(t)]
     dist.all_gather(shapes, shape, group=group)
@@ -224,25 +224,29 @@ def _generate_sliced(actor, ids, mask, t: int, pad_id: int, args: tuple, with_lo
     return (out[0][mine], out[1][mine]) if with_logprobs else out[mine]
 
 
-def sampled_answers(engine, rows: list[dict], tokenizer, chunk: int, seed: int, **generate_kwargs):
+def sampled_answers(engine, rows: list[dict], tokenizer, chunk: int, seed: int, sampling: Sampling | None = None,
+                    **options):
     """(batch, response, response mask, answer texts) for ``rows`` (this rank's prompt rows), ``chunk``
     at a time, drawn from a forked RNG seeded ``seed``: the training around a check or a sample of the
-    policy draws the same numbers with or without it. ``generate_kwargs`` go to ``generate``."""
+    policy draws the same numbers with or without it. ``sampling``: how (or its settings among
+    ``options``, max_new_tokens=... do_sample=...); the other ``options`` go to ``generate``."""
+    if sampling is None:
+        sampling = Sampling(**{f.name: options.pop(f.name) for f in fields(Sampling) if f.name in options})
     device = engine.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(seed)
         for i in range(0, len(rows), chunk):
             batch = left_pad(rows[i:i + chunk], tokenizer.pad_token_id)
-            response = generate(engine, batch, tokenizer, **generate_kwargs)
+            response = generate(engine, batch, tokenizer, sampling, **options)
             mask = response_mask(response, tokenizer.eos_token_id)
             yield batch, response, mask, answer_texts(tokenizer, response, mask)
 
 
 def answer_logits(model, seq: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, start: int) -> torch.Tensor:
     """Logits at positions start .. end-1, the ones that predict the answer tokens. The LM head runs
-    on those positions only where the model allows it (``logits_to_keep``): with a large vocabulary
-    the head is a big share of a small model's FLOPs (40% for the PPO bench's model), and the prompt's
-    positions were half of them."""
+    on those positions only where the model allows it (``logits_to_keep``): the prompt's positions
+    predict nothing scored, and with a large vocabulary the head is a big share of a small model's
+    FLOPs (docs/design-notes.md)."""
     if accepts(model, "logits_to_keep"):
         # The positions as an index tensor, not a count: the model then gathers them into a contiguous
         # [batch, positions, hidden] that the head multiplies as one matrix product. A count slices a
@@ -271,7 +275,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
     sums = torch.zeros(5, dtype=torch.float64)  # count, rule correct, rm score, length, rm score squared
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
-        response = generate(actor, batch, tokenizer, max_new_tokens, gathering=gathering)
+        response = generate(actor, batch, tokenizer, Sampling(max_new_tokens), gathering=gathering)
         rmask = response_mask(response, tokenizer.eos_token_id)
         answers = answer_texts(tokenizer, response, rmask)
         k = max(0, min(len(answers), counted - i))  # this batch's rows that are first copies

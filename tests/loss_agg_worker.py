@@ -1,4 +1,4 @@
-"""One process of tests/test_loss_agg.py: the gradients of PPO's update (rlhf.runners.ppo.ppo_update,
+"""One process of tests/test_loss_agg.py: the gradients of PPO's update (rlhf.runners.ppo_update.ppo_update,
 real DeepSpeed engines) on one fixed rollout batch of 8 answers, for every advantage estimator and
 every loss aggregation, with the batch split as the world asks: on one rank as micro 8 x
 accumulation 1 and as micro 4 x accumulation 2; on two ranks as micro 4 x accumulation 1 per rank.
@@ -21,7 +21,7 @@ from rlhf import engine as engine_factory
 from rlhf import losses, models
 from rlhf.config import compose_config, to_schema
 from rlhf.rollout import Experience, Scores, answer_logits, position_ids
-from rlhf.runners.ppo import ppo_update
+from rlhf.runners.ppo_update import ppo_update
 from rlhf.worker import quiet_libraries
 
 ROWS, PROMPT, ANSWER, EOS, PAD = 8, 5, 6, 2, 1

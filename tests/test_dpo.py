@@ -171,7 +171,7 @@ def test_disable_dropout_reaches_the_lora_adapters(tmp_path, step):
     PPO's update): every dropout layer of the engine the runner builds, PEFT's lora_dropout included,
     has p = 0; the same LoRA config with dropout kept (step.disable_dropout=false) keeps it."""
     from rlhf import models
-    from rlhf.runners import common, ppo
+    from rlhf.runners import common, ppo_setup
     from rlhf.worker import init_distributed
 
     def dropouts(engine) -> dict[str, float]:
@@ -184,7 +184,7 @@ def test_disable_dropout_reaches_the_lora_adapters(tmp_path, step):
     path = models.resolve_path(cfg.model)
     tokenizer = models.load_tokenizer(path)
     if step == "ppo":
-        engine = ppo.build_roles(cfg, tokenizer, (path, "", ""), [], 1).actor
+        engine = ppo_setup.build_roles(cfg, tokenizer, (path, "", ""), [], 1).actor
     else:
         engine = common.train_engine(cfg, models.load_causal_lm, path, tokenizer, 1, "actor", dropout=0.0)[0]
         kept = common.train_engine(cfg, models.load_causal_lm, path, tokenizer, 1, "actor")[0]

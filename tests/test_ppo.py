@@ -76,7 +76,7 @@ def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_mis
     from omegaconf import OmegaConf
 
     from rlhf.losses import auc
-    from rlhf.runners import ppo
+    from rlhf.runners import ppo_judge
 
     _, rm = sft_and_reward
     # A policy with right answers to sample (the shared 40-step one has none).
@@ -104,7 +104,7 @@ def test_ppo_in_a_chain_stops_before_its_first_update_where_the_reward_model_mis
     assert final["select/policy_rm_auc_before"] == pytest.approx(auc(scores, truth), abs=1e-6)
     assert any(w.startswith("ran though it may not work (pipeline.on_weak_step=warn): the reward model separates")
                for w in final["warnings"])
-    monkeypatch.setattr(ppo, "policy_check", lambda *a: ({}, []))
+    monkeypatch.setattr(ppo_judge, "policy_check", lambda *a: ({}, []))
     run(compose([*args, f"run_dir={tmp_path / 'unchecked'}"]))
     same_run(chain / "warned", tmp_path / "unchecked", "policy_loss")
 
@@ -490,7 +490,7 @@ def test_a_bad_rule_reference_fails_at_compose_time_naming_it(tmp_path):
 
 # --------------------------------------------------------------------- learning that holds
 def test_hacking_warning_needs_a_real_accuracy_drop_while_the_reward_model_score_rises():
-    from rlhf.runners.ppo import hacking_warning
+    from rlhf.runners.ppo_judge import hacking_warning
 
     best = {"eval/accuracy": 0.44, "eval/rm_score": 0.63, "eval/rm_score_std": 1.0}
     hacked = {"eval/accuracy": 0.27, "eval/rm_score": 1.54, "eval/rm_score_std": 1.0}
@@ -518,7 +518,7 @@ def test_hacking_warning_on_pure_noise_fires_at_most_at_its_stated_rate(p, n, sc
     than FALSE_ALARM of the tests (two standard errors' one-sided tail, 2.3%)."""
     import numpy as np
 
-    from rlhf.runners.ppo import FALSE_ALARM, hacking_warning
+    from rlhf.runners.ppo_judge import FALSE_ALARM, hacking_warning
 
     rng, fires, tests = np.random.default_rng(0), 0, 0
     # 10,000 runs of 8 evaluations: 70,000 tests, the rate's standard error about 0.05%.
@@ -541,7 +541,7 @@ def test_hacking_warning_on_pure_noise_fires_at_most_at_its_stated_rate(p, n, sc
 
 
 def test_without_a_rule_the_run_says_it_cannot_tell_learning_from_hacking():
-    from rlhf.runners.ppo import unjudged_note
+    from rlhf.runners.ppo_judge import unjudged_note
 
     note = unjudged_note({"eval/rm_score": 0.1}, {"eval/rm_score": 1.7}, 3.5)
     assert "0.100 -> 1.700 at a KL of 3.500" in note and "cannot tell learning from reward hacking" in note
@@ -550,7 +550,7 @@ def test_without_a_rule_the_run_says_it_cannot_tell_learning_from_hacking():
 
 
 def test_a_ppo_run_that_ends_still_improving_says_to_train_longer():
-    from rlhf.runners.ppo import still_rising
+    from rlhf.runners.ppo_judge import still_rising
 
     # 128 prompts at p=0.30: the noise of a difference is 2*sqrt(2*0.30*0.70/128) = 0.1146.
     rising = [(0, 0.20), (25, 0.22), (50, 0.30), (75, 0.33), (100, 0.38), (125, 0.42), (150, 0.45)]
@@ -564,7 +564,7 @@ def test_a_ppo_run_that_ends_still_improving_says_to_train_longer():
 
 
 def test_the_best_evaluated_actor_becomes_the_output_and_the_last_is_kept_beside_it(tmp_path, capsys):
-    from rlhf.runners.ppo import _keep_best
+    from rlhf.runners.ppo_judge import keep_best as _keep_best
 
     for folder, tag in (("model", "last"), ("best_model", "best")):
         (tmp_path / folder).mkdir()
