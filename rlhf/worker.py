@@ -164,7 +164,7 @@ def main_steps(paths: list[str]) -> None:
             main(cfg)
         except ConfigError as err:
             # A user's error (bad data, a rule that cannot score): one line for the launcher to show
-            # (launch_step.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
+            # (rlhf.launcher.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
             ranks.ended("error", f"{err.kind} error: {err}")
             (run_dir / "error.json").write_text(json.dumps({"kind": err.kind, "message": str(err)}))
             if "RLHF_LAUNCHER" not in os.environ:  # ranks started by hand: nobody else will say it
