@@ -116,13 +116,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             plans[name].refuse()
         planned[name] = (step_cfg, step_schema, args, delta)
     if schema.launch.dry_run:
-        verdicts = {}
-        for name, (_, step_schema, _, _) in planned.items():
-            plan = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
-            print(plan.text(), flush=True)
-            verdicts[name] = plan.dry_run_result()
-        return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),
-                "refused": [f"{STEPS[n].title}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
+        return _dry_run(planned, chain_dir, tuple(outputs.values()))
 
     chain_dir.mkdir(parents=True, exist_ok=True)
     write_run_dir(cfg, chain_dir, overrides, command)
@@ -176,6 +170,17 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     print(summary(planned, manifest, results, outputs), flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
+
+
+def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dict:
+    """Each step's plan printed, and the chain's verdict: it starts only if every step would."""
+    verdicts = {}
+    for name, (_, step_schema, _, _) in planned.items():
+        plan = build_plan(step_schema, chain_dir / name, will_exist=will_exist)
+        print(plan.text(), flush=True)
+        verdicts[name] = plan.dry_run_result()
+    return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),
+            "refused": [f"{STEPS[n].title}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
 
 
 def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs: dict[str, str],
