@@ -33,16 +33,14 @@ from dataclasses import dataclass, field
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
 from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, sizes, table_bytes
 
-# Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
-# own SFT of a 1.3B model on one H200 ran at 29-33% with 16 rows of 512 tokens (two runs), 47% with 64
-# (docs/benchmarks.md, bench/gpu.sh).
+# Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
+# batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").
 MATMUL_EFFICIENCY = 0.334
 # Achieved fraction of memory bandwidth when a decoding step streams weights and KV cache (STREAM-
 # like copies reach 80-90% on HBM; a decode step's many small reads less).
 BANDWIDTH_EFFICIENCY = 0.7
 # Seconds per layer and decoding step that neither FLOPs nor bytes explain: kernel launches and the
-# Python of an eager decode loop (one H200: 9.0-16.0 ms per decoding step of a 24-layer model on two
-# hosts, of which the bytes explain about 2 ms; docs/benchmarks.md). On CPU it is measured (probe_cpu).
+# Python of an eager decode loop (docs/design-notes.md). On CPU it is measured (probe_cpu).
 DECODE_LAYER_OVERHEAD_S = 3.0e-4
 # Achieved fraction of link bandwidth in ZeRO's all-gathers and reduce-scatters (NCCL's bus
 # bandwidth on NVLink and InfiniBand runs at 70-85% of the link rate).
@@ -504,8 +502,8 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
         return _ppo(cfg, part_rows, rates, notes, lengths)
     pairs = STEPS[step.name].rows == "pairs"
     # Pairs from the policy's own answers (rlhf.runners.reward.policy_pairs): sampled before training,
-    # then trained on beside the data's; counted as if every draw were a distinct wrong answer (a cap:
-    # 70-80% were on two untuned tasks).
+    # then trained on beside the data's; counted as if every draw were a distinct wrong answer, so
+    # the forecast is a cap (duplicates and right answers make no pair).
     drawn = min(getattr(step, "policy_pairs_prompts", 0), part_rows) * getattr(step, "policy_pairs_answers", 0)
     if drawn and not rule_scores_data(cfg):
         drawn = 0
