@@ -103,18 +103,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
                if k in steps or schema.launch.dry_run or (reuse and finished(chain_dir / k))}
 
     steps, skipped = skip_unused(cfg, steps, overrides, outputs, chain_dir)
-    planned, plans = {}, {}
-    for name in steps:
-        step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
-        step_schema = to_schema(step_cfg)
-        step_schema.run_dir = str(chain_dir / name)
-        if reuse and not schema.launch.dry_run:
-            # A finished step is reused only if it ran with these very settings (seed, data, ...).
-            refuse_changed_settings(chain_dir / name, step_cfg, f"the chain's {STEPS[name].title}")
-        if not schema.launch.dry_run and not (reuse and finished(chain_dir / name)):
-            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
-            plans[name].refuse()
-        planned[name] = (step_cfg, step_schema, args, delta)
+    planned, plans = _plan_steps(cfg, schema, steps, overrides, outputs, chain_dir)
     if schema.launch.dry_run:
         return _dry_run(planned, chain_dir, tuple(outputs.values()))
 
@@ -170,6 +159,26 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     print(summary(planned, manifest, results, outputs), flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
+
+
+def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: list[str], outputs: dict[str, str],
+                chain_dir: Path) -> tuple[dict, dict]:
+    """Every step composed and checked before the first one trains: {step: (config, schema, overrides,
+    delta)}, and {step: its plan} for each step that will run now (a dry-run plans at printing)."""
+    reuse = schema.resume == "auto"
+    planned, plans = {}, {}
+    for name in steps:
+        step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
+        step_schema = to_schema(step_cfg)
+        step_schema.run_dir = str(chain_dir / name)
+        if reuse and not schema.launch.dry_run:
+            # A finished step is reused only if it ran with these very settings (seed, data, ...).
+            refuse_changed_settings(chain_dir / name, step_cfg, f"the chain's {STEPS[name].title}")
+        if not schema.launch.dry_run and not (reuse and finished(chain_dir / name)):
+            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
+            plans[name].refuse()
+        planned[name] = (step_cfg, step_schema, args, delta)
+    return planned, plans
 
 
 def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dict:
