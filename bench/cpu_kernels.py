@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from rlhf.launch_step import cpu_bf16
+    from rlhf.probes import cpu_bf16
 
     out = {"cpu_bf16": cpu_bf16(), "threads": args.threads, "adamw_params": sum(
         torch.Size(s).numel() for s in SHAPES)}

@@ -86,8 +86,8 @@ def measure(name: str, cfg, args) -> dict:
     import torch.nn.functional as F
 
     from rlhf.decode import decode
-    from rlhf.launch_step import cpu_bf16
     from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
+    from rlhf.probes import cpu_bf16
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     path = resolve_path(cfg.model)

@@ -117,7 +117,7 @@ def main() -> None:
     fastest = {who: min(r[who]["fastest_step_s"] for r in rounds) for who in rounds[0]}
     for who in phases:
         phases[who]["fastest_step_s"] = fastest[who]
-    from rlhf.launch_step import cpu_bf16
+    from rlhf.probes import cpu_bf16
 
     print(json.dumps({"setting": "opt h256 l4 v8192, 4 prompts x 64 + 64 new tokens, bf16, CPU",
                       "cpu_bf16": cpu_bf16(),  # emulated bf16 makes every figure ~20x slower

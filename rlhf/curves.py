@@ -183,73 +183,102 @@ def draw_panels(fig, runs: list[Run], panels: list[Panel], ncols: int = 4, colou
         styled: dict[str, int] = {}  # several runs: series label -> index, for a legend of line styles
         twins: list = []  # second y axes, whose lines join this panel's one legend
         for r, run in enumerate(runs):
-            for s, (key, label) in enumerate(panel.series):
-                xs, ys = run.series(key)
-                if not xs:
-                    continue
-                colour = colours[r] if several else f"C{s}"
-                style = STYLES[s % len(STYLES)] if several else "-"
-                # Evaluations are a few points: markers, so a single one still shows.
-                marker, size = MARKERS[s % len(MARKERS)] if len(xs) <= 25 else (None, 0)
-                ax.plot(xs, ys, style, color=colour, marker=marker, markersize=size, linewidth=1.3,
-                        label=None if several else label)
-                styled.setdefault(label, s)
-                drawn = True
-                if panel.spread and s == 0:
-                    _, sd = run.series(panel.spread)
-                    if len(sd) == len(ys):
-                        ax.fill_between(xs, [y - d for y, d in zip(ys, sd, strict=True)],
-                                        [y + d for y, d in zip(ys, sd, strict=True)], color=colour, alpha=0.15)
-            if panel.bar and (vals := run.series(panel.bar[0])[1]):
-                ax.axhline(vals[-1], color=colours[r] if several else "grey", linestyle="--", linewidth=1,
-                           label=panel.bar[1] if r == 0 else None)
-            if panel.best and "best_step" in run.final:
-                ax.axvline(run.final["best_step"], color=colours[r] if several else "green", linestyle="-.",
-                           linewidth=1, label="best step (model/)" if r == 0 else None)
-            for step, short in marks(run)[0]:
-                ax.axvline(step, color="red", linestyle=":", linewidth=1.2)
-                if panel is panels[0]:
-                    ax.annotate(short, (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="red",
-                                va="bottom", ha="center")
-            if panel.twin and (xs := run.series(panel.twin[0])[0]):
-                twin = ax.twinx()
-                twin.plot(xs, run.series(panel.twin[0])[1], STYLES[1], color=colours[r] if several else "grey",
-                          linewidth=1, label=f"{panel.twin[1]} (right axis)")
-                twin.tick_params(labelsize=7, colors="grey")
-                twins.append(twin)
-        if panel.chance is not None:
-            ax.axhline(panel.chance, color="grey", linewidth=0.8, linestyle=":", label="chance")
-        if panel.fraction:
-            ax.set_ylim(-0.03, 1.03)
-        elif panel.from_zero and drawn:
-            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-12) * 1.05)
-        if not drawn:  # logged, never finite (an AUC when every rollout was scored the same by the rule)
-            ax.text(0.5, 0.5, panel.undefined, ha="center", va="center", transform=ax.transAxes, fontsize=8,
-                    color="dimgrey", bbox={"facecolor": "white", "edgecolor": "none"})
-            steps = [row["step"] for run in runs for row in run.rows]
-            if steps and max(steps) > min(steps):
-                ax.set_xlim(min(steps), max(steps))
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, nbins=6))
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
-        ax.tick_params(labelsize=7)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-        handles, labels = ax.get_legend_handles_labels()
-        for twin in twins[:1]:
-            more = twin.get_legend_handles_labels()
-            handles, labels = handles + more[0], labels + more[1]
-        if several and styled:  # colours are runs (the figure's legend); here the series by line style, in black
-            from matplotlib.lines import Line2D
-
-            handles = [Line2D([], [], color="black", linestyle=STYLES[s % len(STYLES)],
-                              marker=MARKERS[s % len(MARKERS)][0], markersize=4) for s in styled.values()] + handles
-            labels = list(styled) + labels
-        if handles:
-            # Above a second axis's lines, which are drawn over this axis's own.
-            (twins[-1] if twins else ax).legend(handles, labels, fontsize=7, frameon=False, loc="best")
+            drawn |= _draw_series(ax, panel, run, colours[r], several, styled)
+            _draw_references(ax, panel, run, r, colours[r], several, annotate=panel is panels[0], twins=twins)
+        _finish_panel(ax, panel, runs, drawn)
+        _panel_legend(ax, styled if several else {}, twins)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     return list(axes[:len(panels)])
+
+
+def _draw_series(ax, panel: Panel, run: Run, colour: str, several: bool, styled: dict[str, int]) -> bool:
+    """One run's series of ``panel`` (in ``colour`` when runs are several, else a colour per series);
+    records each series' index in ``styled``. Whether any series had points."""
+    drawn = False
+    for s, (key, label) in enumerate(panel.series):
+        xs, ys = run.series(key)
+        if not xs:
+            continue
+        colour_s = colour if several else f"C{s}"
+        style = STYLES[s % len(STYLES)] if several else "-"
+        # Evaluations are a few points: markers, so a single one still shows.
+        marker, size = MARKERS[s % len(MARKERS)] if len(xs) <= 25 else (None, 0)
+        ax.plot(xs, ys, style, color=colour_s, marker=marker, markersize=size, linewidth=1.3,
+                label=None if several else label)
+        styled.setdefault(label, s)
+        drawn = True
+        if panel.spread and s == 0:
+            _, sd = run.series(panel.spread)
+            if len(sd) == len(ys):
+                ax.fill_between(xs, [y - d for y, d in zip(ys, sd, strict=True)],
+                                [y + d for y, d in zip(ys, sd, strict=True)], color=colour_s, alpha=0.15)
+    return drawn
+
+
+def _draw_references(ax, panel: Panel, run: Run, r: int, colour: str, several: bool, annotate: bool,
+                     twins: list) -> None:
+    """One run's lines beside its series: the bar to beat, the best step, its warnings and stop
+    (labelled on the first panel, ``annotate``), and the panel's right-axis series (appended to ``twins``)."""
+    if panel.bar and (vals := run.series(panel.bar[0])[1]):
+        ax.axhline(vals[-1], color=colour if several else "grey", linestyle="--", linewidth=1,
+                   label=panel.bar[1] if r == 0 else None)
+    if panel.best and "best_step" in run.final:
+        ax.axvline(run.final["best_step"], color=colour if several else "green", linestyle="-.",
+                   linewidth=1, label="best step (model/)" if r == 0 else None)
+    for step, short in marks(run)[0]:
+        ax.axvline(step, color="red", linestyle=":", linewidth=1.2)
+        if annotate:
+            ax.annotate(short, (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="red",
+                        va="bottom", ha="center")
+    if panel.twin and (xs := run.series(panel.twin[0])[0]):
+        twin = ax.twinx()
+        twin.plot(xs, run.series(panel.twin[0])[1], STYLES[1], color=colour if several else "grey",
+                  linewidth=1, label=f"{panel.twin[1]} (right axis)")
+        twin.tick_params(labelsize=7, colors="grey")
+        twins.append(twin)
+
+
+def _finish_panel(ax, panel: Panel, runs: list[Run], drawn: bool) -> None:
+    """The panel's chance line, y range, axis ticks and, where nothing was drawn, why."""
+    import matplotlib.ticker as ticker
+
+    if panel.chance is not None:
+        ax.axhline(panel.chance, color="grey", linewidth=0.8, linestyle=":", label="chance")
+    if panel.fraction:
+        ax.set_ylim(-0.03, 1.03)
+    elif panel.from_zero and drawn:
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-12) * 1.05)
+    if not drawn:  # logged, never finite (an AUC when every rollout was scored the same by the rule)
+        ax.text(0.5, 0.5, panel.undefined, ha="center", va="center", transform=ax.transAxes, fontsize=8,
+                color="dimgrey", bbox={"facecolor": "white", "edgecolor": "none"})
+        steps = [row["step"] for run in runs for row in run.rows]
+        if steps and max(steps) > min(steps):
+            ax.set_xlim(min(steps), max(steps))
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, nbins=6))
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel("step", fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _panel_legend(ax, styled: dict[str, int], twins: list) -> None:
+    """The panel's one legend: its lines, the first second axis's, and with several runs
+    (``styled`` non-empty) the series by line style in black, since colours are runs there (the
+    figure's legend)."""
+    handles, labels = ax.get_legend_handles_labels()
+    for twin in twins[:1]:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    if styled:
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color="black", linestyle=STYLES[s % len(STYLES)],
+                          marker=MARKERS[s % len(MARKERS)][0], markersize=4) for s in styled.values()] + handles
+        labels = list(styled) + labels
+    if handles:
+        # Above a second axis's lines, which are drawn over this axis's own.
+        (twins[-1] if twins else ax).legend(handles, labels, fontsize=7, frameon=False, loc="best")
 
 
 def figure(runs: list[Run], title: str):

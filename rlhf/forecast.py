@@ -33,16 +33,14 @@ from dataclasses import dataclass, field
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
 from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, sizes, table_bytes
 
-# Achieved fraction of the datasheet peak in training and scoring matrix products: the project's
-# own SFT of a 1.3B model on one H200 ran at 29-33% with 16 rows of 512 tokens (two runs), 47% with 64
-# (docs/benchmarks.md, bench/gpu.sh).
+# Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
+# batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").
 MATMUL_EFFICIENCY = 0.334
 # Achieved fraction of memory bandwidth when a decoding step streams weights and KV cache (STREAM-
 # like copies reach 80-90% on HBM; a decode step's many small reads less).
 BANDWIDTH_EFFICIENCY = 0.7
 # Seconds per layer and decoding step that neither FLOPs nor bytes explain: kernel launches and the
-# Python of an eager decode loop (one H200: 9.0-16.0 ms per decoding step of a 24-layer model on two
-# hosts, of which the bytes explain about 2 ms; docs/benchmarks.md). On CPU it is measured (probe_cpu).
+# Python of an eager decode loop (docs/design-notes.md). On CPU it is measured (probe_cpu).
 DECODE_LAYER_OVERHEAD_S = 3.0e-4
 # Achieved fraction of link bandwidth in ZeRO's all-gathers and reduce-scatters (NCCL's bus
 # bandwidth on NVLink and InfiniBand runs at 70-85% of the link rate).
@@ -504,8 +502,8 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
         return _ppo(cfg, part_rows, rates, notes, lengths)
     pairs = STEPS[step.name].rows == "pairs"
     # Pairs from the policy's own answers (rlhf.runners.reward.policy_pairs): sampled before training,
-    # then trained on beside the data's; counted as if every draw were a distinct wrong answer (a cap:
-    # 70-80% were on two untuned tasks).
+    # then trained on beside the data's; counted as if every draw were a distinct wrong answer, so
+    # the forecast is a cap (duplicates and right answers make no pair).
     drawn = min(getattr(step, "policy_pairs_prompts", 0), part_rows) * getattr(step, "policy_pairs_answers", 0)
     if drawn and not rule_scores_data(cfg):
         drawn = 0
@@ -578,33 +576,48 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     communication. Rollouts are max_prompt_len + max_new_tokens long (DeepSpeed-Chat's benchmark
     pads prompts and generates fixed-length answers)."""
     step, world, hw = cfg.step, cfg.world_size, cfg.hardware
-    actor, critic = cfg.model, _critic_model(cfg)
-    roles = {r.name: r for r in step_roles(cfg)}
     batch, prompt, answer = step.rollout_batch_size_per_device, step.max_prompt_len, step.max_new_tokens
     source = "the benchmark's prompts" if lengths else "the mean padded rollout batch of the data"
     if lengths := lengths or padded_lengths(cfg, batch, False):  # prompts left-padded to the batch's longest
         prompt = min(prompt, round(lengths[1]))
         notes.append(f"{prompt} prompt tokens: {source} "
                      f"(step.max_prompt_len={step.max_prompt_len})")
-    seq = prompt + answer
-    width = bytes_per_param(hw.precision)
-    a_total, _, a_lora = param_counts(actor, cfg.lora.rank, cfg.lora.target_modules)
-    c_total, _, _ = param_counts(critic)
     per_step = batch * world
     rollouts = part_rows * step.samples_per_prompt * step.epochs
     steps = rollouts // per_step if part_rows else 1
     if step.max_steps > 0:
         steps = min(steps, step.max_steps) if part_rows else step.max_steps
+    generate, chunk, shards = _ppo_generation_s(cfg, prompt, rates, notes)
+    scoring = _ppo_scoring_s(cfg, prompt + answer, -(-batch // chunk), rates)
+    train, comm, offload = _ppo_updates_s(cfg, prompt + answer, rates, notes)
+    phases = {"generation": steps * generate, "scoring": steps * scoring, "updates": steps * train,
+              "communication": steps * comm,
+              "evaluation": _ppo_evaluation_s(cfg, steps, prompt, chunk, shards, rates)}
+    if offload:
+        phases["offload"] = steps * offload
+    work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
+            f"steps of {per_step} rollouts x ({prompt} + {answer}) tokens" if part_rows
+            else f"{steps:,} PPO steps (step.max_steps)")
+    if not part_rows and step.max_steps <= 0:
+        notes.append("no row count: the figures are per PPO step")
+    return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
 
-    # Generation, per device: prefill is one forward over the prompts; each decoding step reads the
-    # whole actor (gathered once per call under ZeRO-3, or layer by layer for every token) and the
-    # KV cache at its mean length.
+
+def _ppo_generation_s(cfg: Config, prompt: int, rates: Rates, notes: list[str]) -> tuple[float, int, int]:
+    """One PPO step's generation on a device, with the generate chunk and the tensor-parallel slices
+    it runs in. Prefill is one forward over the prompts; each decoding step reads the whole actor
+    (gathered once per call under ZeRO-3, or layer by layer for every token) and the KV cache at
+    its mean length."""
+    step, world, hw = cfg.step, cfg.world_size, cfg.hardware
+    batch, answer = step.rollout_batch_size_per_device, step.max_new_tokens
     chunk = step.generation_batch_size_per_device or batch
     calls = -(-batch // chunk)
     gather, gathering = 0.0, 1
     if cfg.zero.stage == 3:
-        gathering = generation_gathering(cfg, critic)
-        gather = calls * (1 if gathering else answer) * collective_s(a_total * width, world, rates)
+        gathering = generation_gathering(cfg, _critic_model(cfg))
+        a_total = param_counts(cfg.model, cfg.lora.rank, cfg.lora.target_modules)[0]
+        gather = calls * (1 if gathering else answer) * collective_s(a_total * bytes_per_param(hw.precision), world,
+                                                                     rates)
         notes.append("ZeRO-3 generation: " + {0: "the actor gathered layer by layer for every token",
                                               1: "the actor gathered once per call"}.get(
             gathering, f"the actor gathered once per call into tensor-parallel slices over {gathering} ranks"))
@@ -614,13 +627,20 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     # decode eagerly) and on a GPU.
     static = step.decode_graph and gathering == 1
     graph = static and hw.accelerator != "cpu"
-    generate = generation_s(actor, batch, chunk, prompt, answer, hw.precision, rates, static, graph, shards) + gather
+    generate = generation_s(cfg.model, batch, chunk, prompt, answer, hw.precision, rates, static, graph, shards) + gather
     if graph:
         notes.append("generation replayed as a CUDA graph (step.decode_graph): no per-layer dispatch cost")
+    return generate, chunk, shards
 
-    # Scoring forwards over whole rollouts: reference (the actor's size), critic and reward model
-    # (the critic's), and the actor itself where old log-probs are recomputed.
-    # One forward per generate chunk and role; beyond its FLOPs each dispatches its ops (CPU).
+
+def _ppo_scoring_s(cfg: Config, seq: int, calls: int, rates: Rates) -> float:
+    """One PPO step's scoring forwards over whole rollouts: reference (the actor's size), critic and
+    reward model (the critic's), and the actor itself where old log-probs are recomputed. One
+    forward per generate chunk (``calls``) and role; beyond its FLOPs each dispatches its ops (CPU)."""
+    step, world, actor = cfg.step, cfg.world_size, cfg.model
+    batch, width = step.rollout_batch_size_per_device, bytes_per_param(cfg.hardware.precision)
+    roles = {r.name for r in step_roles(cfg)}
+    critic = _critic_model(cfg)
     scoring = 0.0
     role_models = {"reference": actor, "critic": critic, "reward": critic}
     for name in ("reference", "critic", "reward"):
@@ -631,8 +651,17 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
                 scoring += collective_s(param_counts(role_models[name])[0] * width, world, rates)
     if step.old_logprobs == "recompute":
         scoring += forward_flops(actor, batch * seq, seq / 2, True) / rates.flops + calls * overheads_s(actor, rates)[1]
+    return scoring
 
-    # Updates: every PPO epoch trains the actor (and critic) on the step's rollouts.
+
+def _ppo_updates_s(cfg: Config, seq: int, rates: Rates, notes: list[str]) -> tuple[float, float, float]:
+    """One PPO step's updates, (training, ZeRO communication, offload) in seconds: every PPO epoch
+    trains the actor (and critic) on the step's rollouts."""
+    step, world, hw = cfg.step, cfg.world_size, cfg.hardware
+    actor, critic, batch = cfg.model, _critic_model(cfg), step.rollout_batch_size_per_device
+    has_critic = any(r.name == "critic" for r in step_roles(cfg))
+    a_total, _, a_lora = param_counts(actor, cfg.lora.rank, cfg.lora.target_modules)
+    c_total, _, _ = param_counts(critic)
     updates = ppo_updates_per_step(cfg)
     lora = cfg.lora.rank > 0 and cfg.lora.only_optimize_lora
     a_trainable = a_lora if lora and cfg.lora.only_optimize_lora else a_total + a_lora
@@ -640,42 +669,39 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     comm = updates * zero_comm_s(cfg.zero.stage, a_total + a_lora, a_trainable, step.gradient_accumulation_steps,
                                  world, hw.precision, rates)
     offload = updates * offload_s(cfg, a_total + a_lora, a_trainable, step.gradient_accumulation_steps, rates, notes)
-    if "critic" in roles:
+    if has_critic:
         train += step.ppo_epochs * train_flops(critic, batch * seq, seq, False, step.gradient_checkpointing, False)
         comm += updates * zero_comm_s(cfg.zero.stage, c_total, c_total, step.gradient_accumulation_steps, world,
                                       hw.precision, rates)
         offload += updates * offload_s(cfg, c_total, c_total, step.gradient_accumulation_steps, rates, notes)
-    # Evaluation: greedy answers to the select half at every evaluation (step 0, every eval_every_steps,
-    # the end) and to the reported half at the start and the end (and at each new best, not counted),
-    # each scored by the reward model where there is one.
+    micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
+    dispatch = micro * (overheads_s(actor, rates)[0] + (overheads_s(critic, rates)[0] if has_critic else 0.0))
+    return train / rates.flops + dispatch, comm, offload
+
+
+def _ppo_evaluation_s(cfg: Config, steps: int, prompt: int, chunk: int, shards: int, rates: Rates) -> float:
+    """Greedy answers to the select half at every evaluation (step 0, every eval_every_steps, the
+    end) and to the reported half at the start and the end (and at each new best, not counted), each
+    scored by the reward model where there is one; and the start check (rlhf.runners.ppo.policy_check):
+    sampled answers to the select half, scored by the reward model."""
+    step, world, precision = cfg.step, cfg.world_size, cfg.hardware.precision
+    actor, critic, answer = cfg.model, _critic_model(cfg), step.max_new_tokens
+    seq = prompt + answer
+    has_reward = any(r.name == "reward" for r in step_roles(cfg))
     evals = 2 + (steps // step.eval_every_steps if step.eval_every_steps else 0)
     per_rank = -(-step.eval_prompts // world)
-    greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, hw.precision, rates,
+    greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, precision, rates,
                           shards=shards)
-    if "reward" in roles:
+    if has_reward:
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
-    # The start check (rlhf.runners.ppo.policy_check): sampled answers to the select half, scored by
-    # the reward model.
     check = 0.0
-    if "reward" in roles and rule_scores_data(cfg):
+    if has_reward and rule_scores_data(cfg):
         from rlhf.readiness import POLICY_CHECK_SAMPLES
 
         samples = -(-step.eval_prompts * POLICY_CHECK_SAMPLES // world)
-        check = generation_s(actor, samples, chunk, prompt, answer, hw.precision, rates, shards=shards) \
+        check = generation_s(actor, samples, chunk, prompt, answer, precision, rates, shards=shards) \
             + forward_flops(critic, samples * seq, seq / 2, False) / rates.flops
-    micro = step.ppo_epochs * -(-batch // step.micro_batch_size_per_device)
-    train_dispatch = micro * (overheads_s(actor, rates)[0] + (overheads_s(critic, rates)[0] if "critic" in roles else 0.0))
-    phases = {"generation": steps * generate, "scoring": steps * scoring,
-              "updates": steps * (train / rates.flops + train_dispatch),
-              "communication": steps * comm, "evaluation": (evals + 2) * greedy + check}
-    if offload:
-        phases["offload"] = steps * offload
-    work = (f"{part_rows:,} prompts x {step.samples_per_prompt} sample(s) x {step.epochs} epoch(s) = {steps:,} PPO "
-            f"steps of {per_step} rollouts x ({prompt} + {answer}) tokens" if part_rows
-            else f"{steps:,} PPO steps (step.max_steps)")
-    if not part_rows and step.max_steps <= 0:
-        notes.append("no row count: the figures are per PPO step")
-    return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
+    return (evals + 2) * greedy + check
 
 
 _FORECASTS: dict[str, StepForecast | Exception] = {}

@@ -1,4 +1,5 @@
-"""Where a composed config goes: one step (rlhf.launch_step) or a chain of steps (rlhf.pipeline).
+"""Where a composed config goes: one step (its plan, rlhf.plan, executed by rlhf.launch_step) or a
+chain of steps (rlhf.pipeline, one plan per step).
 ``launch.py`` at the top level is the Hydra entry that calls ``run``; tests call ``run`` directly
 with a config from ``rlhf.config.compose_config``.
 

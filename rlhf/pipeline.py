@@ -28,6 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf import launch_step
 from rlhf.config import STEPS, Config, ConfigError, compose_config, to_schema
 from rlhf.files import write_whole
+from rlhf.launcher import launch_ranks
+from rlhf.plan import build_plan
+from rlhf.provenance import refuse_changed_settings, write_run_dir
 from rlhf.readiness import RUN_ANYWAY, weak_step
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
@@ -100,43 +103,25 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
                if k in steps or schema.launch.dry_run or (reuse and finished(chain_dir / k))}
 
     steps, skipped = skip_unused(cfg, steps, overrides, outputs, chain_dir)
-    planned = {}
-    for name in steps:
-        step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
-        step_schema = to_schema(step_cfg)
-        step_schema.run_dir = str(chain_dir / name)
-        if reuse and not schema.launch.dry_run:
-            # A finished step is reused only if it ran with these very settings (seed, data, ...).
-            launch_step.refuse_changed_settings(chain_dir / name, step_cfg, f"the chain's {STEPS[name].title}")
-        if not schema.launch.dry_run and not (reuse and finished(chain_dir / name)):
-            report = launch_step.preflight(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
-            launch_step.refuse_unrunnable(step_schema, *report)
-        planned[name] = (step_cfg, step_schema, args, delta)
+    planned, plans = _plan_steps(cfg, schema, steps, overrides, outputs, chain_dir)
     if schema.launch.dry_run:
-        verdicts = {}
-        for name, (_, step_schema, _, _) in planned.items():
-            fits, report, problems = launch_step.preflight(step_schema, chain_dir / name,
-                                                            will_exist=tuple(outputs.values()))
-            print(report, flush=True)
-            verdicts[name] = launch_step.dry_run_result(step_schema, fits, problems)
-        return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),
-                "refused": [f"{STEPS[n].title}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
+        return _dry_run(planned, chain_dir, tuple(outputs.values()))
 
     chain_dir.mkdir(parents=True, exist_ok=True)
-    launch_step.write_run_dir(cfg, chain_dir, overrides, command)
+    write_run_dir(cfg, chain_dir, overrides, command)
     manifest_path = chain_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"steps": {}}
     manifest["skipped"] = skipped
     results: dict[str, dict] = {}
-    todo = {name: plan for name, plan in planned.items() if not (reuse and finished(chain_dir / name))}
+    todo = {name: entry for name, entry in planned.items() if not (reuse and finished(chain_dir / name))}
     if _one_launch(todo):
         # Several ranks: every step's run directory first, then one launch whose ranks run the steps in
         # turn -- one rendezvous and one library import for the chain instead of one per step.
-        for name, (step_cfg, step_schema, args, delta) in todo.items():
+        for name, (step_cfg, _, args, delta) in todo.items():
             print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
-            launch_step.prepare_step(step_cfg, step_schema, args, command, will_exist=tuple(outputs.values()))
+            launch_step.prepare_plan(step_cfg, plans[name], args, command)
         first = next(iter(todo.values()))[1]
-        launch_step.launch_ranks(first, [chain_dir / name for name in todo])
+        launch_ranks(first, [chain_dir / name for name in todo])
     for name, (step_cfg, step_schema, args, delta) in planned.items():
         step_dir = chain_dir / name
         if name not in todo:
@@ -156,6 +141,8 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
                 print(f"[e2e] WARNING {STEPS[name].title} may not work: {why}", flush=True)
             print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
             start = time.perf_counter()
+            # Planned again: the outputs of the steps before it exist now, so its models are sized
+            # from their config.json rather than their conf/model numbers.
             launch_step.run_step(step_cfg, step_schema, args, command)
             entry = {"seconds": round(time.perf_counter() - start, 1), "overrides": args, "delta": delta,
                      "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
@@ -172,6 +159,37 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     print(summary(planned, manifest, results, outputs), flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
+
+
+def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: list[str], outputs: dict[str, str],
+                chain_dir: Path) -> tuple[dict, dict]:
+    """Every step composed and checked before the first one trains: {step: (config, schema, overrides,
+    delta)}, and {step: its plan} for each step that will run now (a dry-run plans at printing)."""
+    reuse = schema.resume == "auto"
+    planned, plans = {}, {}
+    for name in steps:
+        step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
+        step_schema = to_schema(step_cfg)
+        step_schema.run_dir = str(chain_dir / name)
+        if reuse and not schema.launch.dry_run:
+            # A finished step is reused only if it ran with these very settings (seed, data, ...).
+            refuse_changed_settings(chain_dir / name, step_cfg, f"the chain's {STEPS[name].title}")
+        if not schema.launch.dry_run and not (reuse and finished(chain_dir / name)):
+            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
+            plans[name].refuse()
+        planned[name] = (step_cfg, step_schema, args, delta)
+    return planned, plans
+
+
+def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dict:
+    """Each step's plan printed, and the chain's verdict: it starts only if every step would."""
+    verdicts = {}
+    for name, (_, step_schema, _, _) in planned.items():
+        plan = build_plan(step_schema, chain_dir / name, will_exist=will_exist)
+        print(plan.text(), flush=True)
+        verdicts[name] = plan.dry_run_result()
+    return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),
+            "refused": [f"{STEPS[n].title}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
 
 
 def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs: dict[str, str],

@@ -39,7 +39,7 @@ def expand(path: Path) -> list[tuple[str, Path]]:
 def flat_config(run_dir: Path) -> dict[str, object]:
     from omegaconf import OmegaConf
 
-    from rlhf.launch_step import flat_keys
+    from rlhf.provenance import flat_keys
 
     path = run_dir / "config.yaml"
     return flat_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False)) if path.exists() else {}

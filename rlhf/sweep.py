@@ -212,8 +212,6 @@ def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
     with ``trials`` (an Optuna search) the objective by trial in launch order with the best so far.
     Returns the Figure."""
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FormatStrFormatter, MaxNLocator
 
     objective_name, mode = ok[0]["objective"], ok[0]["mode"]
     settings = [dict(_shown(o).partition("=")[::2] for o in r["overrides"]) for r in ok]
@@ -222,91 +220,109 @@ def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
         swept = ["job"]
         for s, r in zip(settings, ok, strict=True):
             s["job"] = r["job"]
-    groups = {key: [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept if k != key) for s in settings]
-              for key in swept}
     values = [r["value"] for r in ok]
-    # Perplexities spanning decades on a log axis; accuracies and other fractions stay linear.
-    log_y = min(values) > 0 and max(values) > 1 and max(values) / min(values) >= 10
     curves = [_job_curve(sweep_dir, r, objective_name) for r in ok]
     n = len(swept) + any(xs for xs, _ in curves) + trials
     fig = Figure(figsize=(4.6 * max(n, 1), 3.8), layout="constrained")
     axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
+    ylabel = f"{objective_name} ({mode})"
     colour_of: dict[str, str] = {}
     for ax, key in zip(axes, swept, strict=False):
-        raw = [s.get(key, "") for s in settings]
-        x = _numbers(raw)
-        # Lines only along a grid's few values: nothing lies between categories, and an Optuna
-        # search's scattered trials joined by lines read as a curve.
-        line = "o-" if x is not None and len(set(x)) <= 8 else "o"
-        if x is None:  # categories, in the order the sweep ran them
-            order = list(dict.fromkeys(map(_value, raw)))
-            x = [float(order.index(_value(v))) for v in raw]
-            ax.set_xticks(range(len(order)), order)
-        else:
-            if _log_axis(key, x):
-                ax.set_xscale("log")
-            if len(set(x)) <= 8:  # a grid's few values: ticks at them, labelled as typed
-                typed = dict(zip(x, map(_value, raw), strict=True))
-                ax.set_xticks(sorted(typed), [typed[v] for v in sorted(typed)])
-                ax.minorticks_off()
-        labels = groups[key]
-        others = [k for k in swept if k != key]
-        shade = _numbers([s.get(others[0], "") for s in settings]) if len(others) == 1 else None
-        if shade is not None and len(set(shade)) > 8:  # a continuous other key (Optuna): a colour scale
-            from matplotlib.colors import LogNorm, Normalize
-
-            norm = LogNorm() if _log_axis(others[0], shade) else Normalize()
-            points = ax.scatter(x, values, c=shade, norm=norm, cmap="viridis", s=30)
-            fig.colorbar(points, ax=ax, label=others[0])
-            labels = [""] * len(labels)
-        for i, label in enumerate(dict.fromkeys(labels) if any(labels) or shade is None else []):
-            points = sorted((xi, yi) for xi, yi, g in zip(x, values, labels, strict=True) if g == label)
-            colour = colour_of.setdefault(label, f"C{len(colour_of) % 10}") if label else "C0"
-            ax.plot([p[0] for p in points], [p[1] for p in points], line, color=colour, label=label or None,
-                    markersize=6 - min(i, 3))
-        if any(labels):
-            ax.legend(fontsize=8, frameon=False, title=None)
-        if log_y:
-            ax.set_yscale("log")
-        ax.set_xlabel(key)
-        ax.set_ylabel(f"{objective_name} ({mode})")
-        ax.grid(alpha=0.3, which="both")
+        _swept_panel(fig, ax, key, swept, settings, values, colour_of, ylabel)
     rest = list(axes[len(swept):])
     if any(xs for xs, _ in curves):
-        ax = rest.pop(0)
-        for i, ((xs, ys), s) in enumerate(zip(curves, settings, strict=True)):
-            label = ", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept) or ok[i]["job"]
-            # Jobs that coincide stay visible: each later one a smaller marker on top.
-            ax.plot(xs, ys, "o-", markersize=max(7 - i, 2), color=f"C{i % 10}", label=label)
-        ax.set_title(f"held-out {objective_name} per job", fontsize=10)
-        ax.set_xlabel("step")
-        logged = [y for _, ys in curves for y in ys]
-        if min(logged) > 0 and max(logged) / min(logged) >= 10:  # perplexity falls by decades
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3, which="both")
-        if len(ok) <= 12:
-            ax.legend(fontsize=7, frameon=False)
+        labels = [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept) or r["job"] for s, r in zip(settings, ok, strict=True)]
+        _curves_panel(rest.pop(0), curves, labels, objective_name)
     if trials:
-        ax = rest.pop(0)
-        order = sorted(range(len(ok)), key=lambda i: int(ok[i]["job"]) if ok[i]["job"].isdigit() else i)
-        ys = [values[i] for i in order]
-        best = [min(ys[: j + 1]) if mode == "min" else max(ys[: j + 1]) for j in range(len(ys))]
-        ax.plot(range(len(ys)), ys, "o", label="trial")
-        ax.step(range(len(ys)), best, where="post", color="C3", label="best so far")
-        ax.set_title("trials in order", fontsize=10)
-        ax.set_xlabel("trial")
-        ax.set_ylabel(f"{objective_name} ({mode})")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.legend(handles=[Line2D([], [], marker="o", linestyle="", color="C0"), Line2D([], [], color="C3")],
-                  labels=["trial", "best so far"], fontsize=8, frameon=False)
-        ax.grid(alpha=0.3)
+        _trials_panel(rest.pop(0), ok, values, mode, ylabel)
     fig.suptitle(f"{objective_name} over the sweep ({len(ok)} finished jobs; {'lower' if mode == 'min' else 'higher'} "
                  "is better)")
     fig.savefig(path, dpi=100)
     return fig
+
+
+def _swept_panel(fig, ax, key: str, swept: list[str], settings: list[dict], values: list[float],
+                 colour_of: dict[str, str], ylabel: str) -> None:
+    """The objective against one swept key, one line per combination of the other swept keys (a
+    colour scale when the one other key is continuous). ``colour_of`` keeps a combination's colour
+    the same in every panel."""
+    raw = [s.get(key, "") for s in settings]
+    x = _numbers(raw)
+    # Lines only along a grid's few values: nothing lies between categories, and an Optuna
+    # search's scattered trials joined by lines read as a curve.
+    line = "o-" if x is not None and len(set(x)) <= 8 else "o"
+    if x is None:  # categories, in the order the sweep ran them
+        order = list(dict.fromkeys(map(_value, raw)))
+        x = [float(order.index(_value(v))) for v in raw]
+        ax.set_xticks(range(len(order)), order)
+    else:
+        if _log_axis(key, x):
+            ax.set_xscale("log")
+        if len(set(x)) <= 8:  # a grid's few values: ticks at them, labelled as typed
+            typed = dict(zip(x, map(_value, raw), strict=True))
+            ax.set_xticks(sorted(typed), [typed[v] for v in sorted(typed)])
+            ax.minorticks_off()
+    labels = [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept if k != key) for s in settings]
+    others = [k for k in swept if k != key]
+    shade = _numbers([s.get(others[0], "") for s in settings]) if len(others) == 1 else None
+    if shade is not None and len(set(shade)) > 8:  # a continuous other key (Optuna): a colour scale
+        from matplotlib.colors import LogNorm, Normalize
+
+        norm = LogNorm() if _log_axis(others[0], shade) else Normalize()
+        points = ax.scatter(x, values, c=shade, norm=norm, cmap="viridis", s=30)
+        fig.colorbar(points, ax=ax, label=others[0])
+        labels = [""] * len(labels)
+    for i, label in enumerate(dict.fromkeys(labels) if any(labels) or shade is None else []):
+        points = sorted((xi, yi) for xi, yi, g in zip(x, values, labels, strict=True) if g == label)
+        colour = colour_of.setdefault(label, f"C{len(colour_of) % 10}") if label else "C0"
+        ax.plot([p[0] for p in points], [p[1] for p in points], line, color=colour, label=label or None,
+                markersize=6 - min(i, 3))
+    if any(labels):
+        ax.legend(fontsize=8, frameon=False, title=None)
+    # Perplexities spanning decades on a log axis; accuracies and other fractions stay linear.
+    if min(values) > 0 and max(values) > 1 and max(values) / min(values) >= 10:
+        ax.set_yscale("log")
+    ax.set_xlabel(key)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _curves_panel(ax, curves: list[tuple[list, list]], labels: list[str], objective_name: str) -> None:
+    """Every job's held-out curve of the objective, labelled by its swept settings."""
+    from matplotlib.ticker import FormatStrFormatter, MaxNLocator
+
+    for i, ((xs, ys), label) in enumerate(zip(curves, labels, strict=True)):
+        # Jobs that coincide stay visible: each later one a smaller marker on top.
+        ax.plot(xs, ys, "o-", markersize=max(7 - i, 2), color=f"C{i % 10}", label=label)
+    ax.set_title(f"held-out {objective_name} per job", fontsize=10)
+    ax.set_xlabel("step")
+    logged = [y for _, ys in curves for y in ys]
+    if min(logged) > 0 and max(logged) / min(logged) >= 10:  # perplexity falls by decades
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, which="both")
+    if len(labels) <= 12:
+        ax.legend(fontsize=7, frameon=False)
+
+
+def _trials_panel(ax, ok: list[dict], values: list[float], mode: str, ylabel: str) -> None:
+    """An Optuna search's objective by trial in launch order, with the best so far."""
+    from matplotlib.lines import Line2D
+
+    order = sorted(range(len(ok)), key=lambda i: int(ok[i]["job"]) if ok[i]["job"].isdigit() else i)
+    ys = [values[i] for i in order]
+    best = [min(ys[: j + 1]) if mode == "min" else max(ys[: j + 1]) for j in range(len(ys))]
+    ax.plot(range(len(ys)), ys, "o", label="trial")
+    ax.step(range(len(ys)), best, where="post", color="C3", label="best so far")
+    ax.set_title("trials in order", fontsize=10)
+    ax.set_xlabel("trial")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(handles=[Line2D([], [], marker="o", linestyle="", color="C0"), Line2D([], [], color="C3")],
+              labels=["trial", "best so far"], fontsize=8, frameon=False)
+    ax.grid(alpha=0.3)
 
 
 class SweepTable(Callback):

@@ -41,8 +41,8 @@ def init_distributed(cfg: Config) -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if int(os.environ["WORLD_SIZE"]) == 1 and cfg.hardware.accelerator == "cpu":
         # DeepSpeed's CPU backend compiles its shared-memory all-reduce op on a machine's first run
-        # (30-70 s, a C++ toolchain needed) even where one rank has nothing to reduce. Its op table
-        # is a module-level dict meant to be edited; marked unavailable, the backend uses plain gloo.
+        # (a C++ toolchain needed) even where one rank has nothing to reduce. Its op table is a
+        # module-level dict meant to be edited; marked unavailable, the backend uses plain gloo.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
         from datetime import timedelta
@@ -51,8 +51,8 @@ def init_distributed(cfg: Config) -> None:
 
         timeout = timedelta(minutes=cfg.launch.collective_timeout_min)
         # DeepSpeed clones the world group for ZeRO (dist.new_group without a timeout), and a new group
-        # takes torch's module default (30 min for gloo, 10 for NCCL), not the world group's: a rank
-        # hung in a ZeRO collective held the others for 30 min instead of the configured timeout.
+        # takes torch's module default, not the world group's: set as the default, the configured
+        # timeout holds in ZeRO's collectives too.
         distributed_c10d.default_pg_timeout = timeout
         if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), timedelta):
             distributed_c10d.default_pg_nccl_timeout = timeout
@@ -83,8 +83,8 @@ def seed_everything(seed: int) -> None:
 
 def build_shared_artifacts(cfg: Config) -> None:
     """The random model's cache entry, before torch.distributed starts: once it has, transformers
-    writes weights on global rank 0 only, and a rank that built the entry then left a folder with
-    tokenizer files alone (the fresh-machine failure). Ranks building at once are safe: each writes
+    writes weights on global rank 0 only, and a rank that built the entry then would leave a folder
+    with tokenizer files alone. Ranks building at once are safe: each writes
     its own folder, checks it and renames it into place. launch.py has usually built it already."""
     from rlhf import models
 
@@ -94,8 +94,8 @@ def build_shared_artifacts(cfg: Config) -> None:
 def clear_stale_build_locks(max_age_s: float = 900) -> None:
     """Remove torch-extension build locks left by a killed process. DeepSpeed compiles its CPU ops
     (CPU Adam, the shared-memory collective) under a lock file that a killed build never removes,
-    and torch waits on such a lock forever: every later run hung (seen after a session was cut
-    short). A build takes about a minute here, so a lock older than ``max_age_s`` is stale."""
+    and torch waits on such a lock forever, so every later run would hang. A build takes minutes at
+    most, so a lock older than ``max_age_s`` is stale."""
     import time
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
@@ -164,7 +164,7 @@ def main_steps(paths: list[str]) -> None:
             main(cfg)
         except ConfigError as err:
             # A user's error (bad data, a rule that cannot score): one line for the launcher to show
-            # (launch_step.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
+            # (rlhf.launcher.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
             ranks.ended("error", f"{err.kind} error: {err}")
             (run_dir / "error.json").write_text(json.dumps({"kind": err.kind, "message": str(err)}))
             if "RLHF_LAUNCHER" not in os.environ:  # ranks started by hand: nobody else will say it

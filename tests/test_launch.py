@@ -271,10 +271,10 @@ def test_a_hub_model_that_cannot_be_reached_is_refused_at_once(tmp_path, monkeyp
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_slowdown(tmp_path, monkeypatch, capsys):
-    from rlhf import launch_step
+    from rlhf import probes
 
-    assert launch_step.cpu_bf16() in ("emulated", "unknown") or launch_step.cpu_bf16().startswith("native (")
-    monkeypatch.setattr(launch_step, "cpu_bf16", lambda: "emulated")  # this CPU's flags, as an AVX2-only CPU has them
+    assert probes.cpu_bf16() in ("emulated", "unknown") or probes.cpu_bf16().startswith("native (")
+    monkeypatch.setattr(probes, "cpu_bf16", lambda: "emulated")  # this CPU's flags, as an AVX2-only CPU has them
     run(compose(["hardware.precision=bf16", "step.max_steps=1", "data.max_eval_samples=16",
                  "logging.progress_bar=false", f"run_dir={tmp_path / 'bf16'}"]))
     assert "WARNING hardware.precision=bf16 on a CPU without native bf16" in capsys.readouterr().out

@@ -1,0 +1,147 @@
+"""One step's launch, worked out before anything runs: compose (the validated schema) -> checks ->
+memory -> forecast -> the command that starts the ranks. Built once by ``build_plan``; the dry-run
+prints it (``Plan.text``), the launch refuses on it (``Plan.refuse``) and executes it
+(rlhf.launch_step).
+
+    python launch.py step=ppo launch.dry_run=true              # prints the plan of the PPO step
+    python launch.py pipeline=e2e launch.dry_run=true          # one plan per step of the chain
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf import memory
+from rlhf.config import (
+    STEPS,
+    Config,
+    ConfigError,
+    load_model_file,
+    looks_local,
+    missing_paths,
+    ppo_updates_per_step,
+    step_roles,
+)
+from rlhf.forecast import StepForecast, step_forecast
+from rlhf.forecast import table as forecast_table
+from rlhf.launcher import launch_command, per_node_text
+
+
+@dataclass
+class Plan:
+    """Everything the launch of one step needs decided, and the reasons it would be refused.
+
+    ``command`` is the DeepSpeed launcher command for several ranks, None for one rank (run in this
+    process); inside a SLURM job step the node's own part (--node_rank, --master_addr) is read from
+    the allocation when the step starts (rlhf.launcher.slurm_node). ``problems`` are refusals whatever the memory says; ``fits`` is the memory verdict
+    alone (launch.force=true starts a step that does not fit, never one with problems)."""
+
+    schema: Config
+    run_dir: Path
+    arithmetic: list[str]  # the header line and the batch arithmetic
+    ds_configs: dict[str, dict]  # the DeepSpeed JSON of each role the step builds
+    command: list[str] | None
+    nodes: list[str]  # several nodes: the per-node commands and the hostfile
+    sizes: list[str]  # each model's sizes and where they come from
+    problems: list[str]
+    memory: list  # rlhf.memory.estimate's per-role figures
+    fits: bool
+    forecast: StepForecast | None
+    no_forecast: str = ""  # why there is none (no peak, unreadable data)
+
+    def text(self) -> str:
+        """The dry-run's printout: batch math, DeepSpeed JSON per role, launch command, sizes,
+        refusals, the memory table and the forecast."""
+        shown = ["python", "launch.py", "(in-process, 1 rank)"] if self.command is None else self.command
+        lines = [*self.arithmetic, *(f"deepspeed config [{role}]: {json.dumps(ds)}" for role, ds in self.ds_configs.items()),
+                 "launch: " + shlex.join(shown), *self.nodes, *self.sizes, *(f"refused: {p}" for p in self.problems),
+                 memory.table(self.memory, self.schema.hardware.memory_per_device_gb),
+                 forecast_table(self.forecast) if self.forecast is not None
+                 else f"forecast [{self.schema.step.name}]: none ({self.no_forecast})"]
+        return "\n".join(lines)
+
+    def refuse(self) -> None:
+        """Raise ConfigError when the step cannot run (before anything is written)."""
+        if self.problems:
+            raise ConfigError("; ".join(self.problems))
+        if not self.fits and not self.schema.launch.force:
+            raise ConfigError(f"the run does not fit on {self.schema.hardware.name}:\n{self.text()}\n"
+                              "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
+                              "launch.force=true to run anyway.")
+
+    def dry_run_result(self) -> dict:
+        """What a dry-run found: whether the real run would start, and if not, why (the same reasons the
+        real run refuses with; launch.force=true lets a run that does not fit start)."""
+        why = list(self.problems)
+        if not self.fits and not self.schema.launch.force:
+            why.append(f"{self.schema.step.name} does not fit in {self.schema.hardware.name}'s memory (the table "
+                       "above; launch.force=true runs it anyway)")
+        return {"dry_run": True, "fits": self.fits and not self.problems, "refused": why}
+
+
+def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -> Plan:
+    """The plan of one step. ``will_exist``: model folders an earlier step of the same launch writes
+    (not refused as missing; sized by their conf/model numbers until they exist)."""
+    from rlhf.models import ppo_role_problems  # torch and transformers: loaded where a model is sized
+
+    critic = load_model_file(schema.critic.model) if schema.critic.model else None
+    # Where the sizes come from: the model's config.json, or its conf/model numbers offline.
+    sized = [schema.model] + ([critic] if critic and any(not r.lm_head for r in step_roles(schema)) else [])
+    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
+    if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
+        problems += [f"model.path={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
+                     for m in sized if memory.sizes(m).fallback and looks_local(m.path) and m.path not in will_exist]
+    estimate = memory.estimate(schema, critic)
+    fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
+    forecast, no_forecast = _forecast(schema)
+    return Plan(schema=schema, run_dir=run_dir, arithmetic=_arithmetic(schema), ds_configs=_ds_configs(schema),
+                command=launch_command(schema, [run_dir]) if schema.world_size > 1 else None,
+                nodes=_nodes(schema), sizes=[f"sizes [{m.name}]: {memory.sizes(m).describe()}" for m in sized],
+                problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=no_forecast)
+
+
+def _arithmetic(schema: Config) -> list[str]:
+    step = schema.step
+    lines = [f"== {step.name}: {schema.model.name} on {schema.hardware.name} "
+             f"({schema.hardware.nodes} node(s) x {schema.hardware.devices_per_node}), zero {schema.zero.stage}"
+             + (" + offload" if schema.zero.offload_optimizer.device != "none" else "")]
+    lines.append(f"batch: {step.micro_batch_size_per_device} micro x {step.gradient_accumulation_steps} "
+                 f"accumulation x {schema.world_size} ranks = {step.global_batch_size} "
+                 f"{STEPS[step.name].rows} per optimizer step")
+    if step.name == "ppo":
+        lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
+                     f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
+                     f"{ppo_updates_per_step(schema)} optimizer steps each ({step.ppo_epochs} PPO epoch(s) x "
+                     f"{step.rollout_batch_size_per_device} rollouts / {step.micro_batch_size_per_device} micro x "
+                     f"{step.gradient_accumulation_steps} accumulation)")
+    return lines
+
+
+def _ds_configs(schema: Config) -> dict[str, dict]:
+    from rlhf.engine import ds_config
+
+    step = schema.step
+    offloaded = {"reference": getattr(step, "offload_reference", False), "reward": getattr(step, "offload_reward", False)}
+    return {role.name: ds_config(schema, trainable=role.trainable,
+                                 offload=not role.trainable and offloaded.get(role.name, False))
+            for role in step_roles(schema)}
+
+
+def _nodes(schema: Config) -> list[str]:
+    if schema.hardware.nodes <= 1:
+        return []
+    hostfile = (f"hostfile: {schema.launch.hostfile} " if schema.launch.hostfile else
+                f"hostfile: needed -- launch.hostfile=FILE with {schema.hardware.nodes} lines 'HOST "
+                f"slots={schema.hardware.devices_per_node}', or submit with hydra/launcher=slurm (written from "
+                "the allocation)")
+    return [per_node_text(schema), hostfile]
+
+
+def _forecast(schema: Config) -> tuple[StepForecast | None, str]:
+    try:
+        return step_forecast(schema), ""
+    except (ValueError, OSError) as e:
+        return None, str(e)
