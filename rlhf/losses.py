@@ -124,6 +124,68 @@ def dpo_margin(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
     return (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
 
 
+# ------------------------------------------------------------------------- preference methods
+@dataclass
+class PreferenceBatch:
+    """What a preference loss reads of a micro batch of n rows, two sequences each: first the n rows'
+    answers (a pair's chosen one; an unpaired row's own), then their partners (a pair's rejected
+    answer; an unpaired row's mismatched answer, another prompt's)."""
+
+    # Summed answer log-probs under the policy, [2n].
+    logp: torch.Tensor
+    # Answer tokens (eos included), [2n].
+    tokens: torch.Tensor
+    # Summed answer log-probs under the frozen reference, [2n]; None for a reference-free method.
+    ref_logp: torch.Tensor | None = None
+    # Unpaired rows: 1.0 for a desirable answer, 0.0 for an undesirable one, [n]; None for pairs.
+    desirable: torch.Tensor | None = None
+
+
+def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' answers' and their partners' figures of a preference batch's sequences."""
+    return x[: len(x) // 2], x[len(x) // 2:]
+
+
+@dataclass
+class PreferenceResult:
+    """A preference loss's output: the loss to backpropagate (mean over the rows), the implicit
+    rewards of the chosen (desirable) and of the rejected (undesirable) answers, and per row 1 where
+    its reward sits on the right side (of its pair's other answer, or of the reference point), 0.5 on
+    a tie (at the start of a method with a reference every reward is 0: accuracy starts at 0.5)."""
+
+    loss: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    right: torch.Tensor
+
+
+def _right(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
+def dpo_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """DPO and its variants (step.loss of DPO_LOSSES), plus step.nll_coef x the chosen answers' NLL (RPO);
+    implicit rewards beta * log(pi / ref)."""
+    (pc, pr), (rc, rr) = halves(b.logp), halves(b.ref_logp)
+    chosen, rejected = step.beta * (pc - rc), step.beta * (pr - rr)
+    loss = DPO_LOSSES[step.loss](dpo_margin(pc, pr, rc, rr), step.beta, step.label_smoothing).mean()
+    if step.nll_coef:
+        loss = loss + step.nll_coef * answer_nll(pc, halves(b.tokens)[0])
+    return PreferenceResult(loss, chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
+def simpo_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """SimPO (simpo) with step.beta and step.gamma."""
+    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
+    loss, chosen, rejected = simpo(pc, pr, tc, tr, step.beta, step.gamma)
+    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
+# A preference method's loss over a micro batch, given the step's settings; a step spec's `loss` names one.
+PREFERENCE_LOSSES: dict[str, Callable[[PreferenceBatch, object], PreferenceResult]] = {
+    "dpo": dpo_step, "simpo": simpo_step}
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve of ``scores`` for binary ``labels`` (ties count half); nan if one class."""
     pos, neg = scores[labels.bool()], scores[~labels.bool()]

@@ -166,7 +166,32 @@ class RewardStepConfig(StepConfig):
 
 
 @dataclass
-class DPOStepConfig(GreedyEvalStepConfig):
+class PreferenceStepConfig(GreedyEvalStepConfig):
+    """A preference method's step (rlhf.runners.preference): the policy learns from the reward part's pairs."""
+
+    # Train the policy without dropout, as the reference is scored: with dropout on, the policy's
+    # log-ratios are noisy and biased and the margin is not 0 at the start. false keeps model.dropout
+    # (the checkpoint's own where that is null) in the policy.
+    disable_dropout: bool = True
+
+
+@dataclass
+class ReferenceStepConfig(PreferenceStepConfig):
+    """A preference method with a frozen reference model (the SFT start)."""
+
+    # The reference's log-probs: precompute (one pass before training, then the reference model is
+    # freed: no second model during training) or online (the reference scores every batch).
+    reference_logprobs: str = "precompute"
+    # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
+    offload_reference: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
+
+
+@dataclass
+class DPOStepConfig(ReferenceStepConfig):
     name: str = "dpo"
     # Loss from rlhf.losses.DPO_LOSSES: sigmoid (DPO; the conservative variant with label_smoothing > 0),
     # ipo, or robust (needs label_smoothing > 0).
@@ -178,22 +203,12 @@ class DPOStepConfig(GreedyEvalStepConfig):
     # Weight of the chosen answers' NLL added to the loss (RPO); 0: off. DPO alone lowers the chosen
     # answers' likelihood too (only the margin is pushed) and greedy answers can get worse.
     nll_coef: float = 0.0
-    # The reference's log-probs: precompute (one pass before training, then the reference model is
-    # freed: no second model during training) or online (the reference scores every batch).
-    reference_logprobs: str = "precompute"
-    # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
-    offload_reference: bool = False
-    # Train the policy without dropout, as the reference is scored: with dropout on, the policy's
-    # log-ratios are noisy and biased and the margin is not 0 at the start. false keeps model.dropout
-    # (the checkpoint's own where that is null) in the policy.
-    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         from rlhf.losses import DPO_LOSSES
 
         _choice("step.loss", self.loss, tuple(DPO_LOSSES))
-        _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
         _positive("step.beta", self.beta)
         _positive("step.nll_coef", self.nll_coef, allow_zero=True)
         if not 0 <= self.label_smoothing < 0.5:
@@ -204,14 +219,12 @@ class DPOStepConfig(GreedyEvalStepConfig):
 
 
 @dataclass
-class SimPOStepConfig(GreedyEvalStepConfig):
+class SimPOStepConfig(PreferenceStepConfig):
     name: str = "simpo"
     # Scale of the implicit reward beta / |y| * log pi(y|x) (Meng et al. 2024 use 2.0-2.5).
     beta: float = 2.0
     # Target margin between the chosen and rejected rewards (the paper's gamma, 0.5-1.5).
     gamma: float = 1.0
-    # Train without dropout (noisy log-probs bias the margin); false keeps model.dropout.
-    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -557,7 +570,7 @@ STEPS: dict[str, StepSpec] = {
     "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs", (_POLICY, _REFERENCE), "preference",
                     ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="dpo"),
     # SimPO: reference-free, the policy alone learns from the reward part's pairs.
-    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (_POLICY,), "simpo",
+    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (_POLICY,), "preference",
                       ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="simpo"),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
                     (_POLICY, _REFERENCE, Role("critic", True, False), Role("reward", False, False)), "ppo",

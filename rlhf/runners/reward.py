@@ -52,21 +52,14 @@ def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch
     return losses.pairwise_loss_divergence(values[:half], values[half:], span), chosen, rejected
 
 
-@torch.no_grad()
 def evaluate(engine, loader, score_at: str) -> dict[str, float]:
-    engine.eval()
-    sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # pairs, correct, chosen, rejected, loss
-    for batch in loader:
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
+    """Pairwise accuracy (chosen scored above rejected), mean scores, their margin, and the loss."""
+    def figures(batch: dict) -> tuple:
         loss, chosen, rejected = pair_scores(engine, batch, score_at)
-        sums += torch.stack([torch.tensor(float(len(chosen)), device=sums.device), (chosen > rejected).sum().double(),
-                             chosen.sum().double(), rejected.sum().double(), loss.double() * len(chosen)])
-    dist.all_reduce(sums)
-    engine.train()
-    n = sums[0].clamp(min=1)
-    return {"eval/acc": (sums[1] / n).item(), "eval/chosen_score": (sums[2] / n).item(),
-            "eval/rejected_score": (sums[3] / n).item(), "eval/margin": ((sums[2] - sums[3]) / n).item(),
-            "eval/loss": (sums[4] / n).item()}
+        return (chosen > rejected).float(), chosen, rejected, loss.expand(len(chosen))
+
+    m = common.mean_eval(engine, loader, ("acc", "chosen_score", "rejected_score", "loss"), figures)
+    return {**m, "eval/margin": m["eval/chosen_score"] - m["eval/rejected_score"]}
 
 
 def shipped_candidates(prompts: list[str], answers_per_prompt: int, seed: int) -> list[tuple[str, list]]:
