@@ -181,9 +181,35 @@ def simpo_step(b: PreferenceBatch, step) -> PreferenceResult:
     return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
 
 
+def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of p = exp(mean_logp), stable near p = 1 (p is capped just below it)."""
+    x = mean_logp.clamp(max=-1e-6)
+    # log(1 - e^x): -expm1 is accurate where e^x is near 1, log1p where it is small.
+    return x - torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, chosen_len: torch.Tensor,
+         rejected_len: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO (Hong, Lee and Thorne 2024, eq. 6-7), per pair: the chosen answer's NLL per token plus lam x
+    -log sigmoid(log odds(y_w|x) - log odds(y_l|x)), odds = p / (1 - p) with p the length-normalised
+    sequence probability exp(log pi(y|x) / |y|); no reference model. Also returns the rewards
+    lam x log p of each answer (their order is the log odds' order). ``*_logp``: summed answer
+    log-probs; ``*_len``: answer tokens."""
+    chosen, rejected = chosen_logp / chosen_len, rejected_logp / rejected_len
+    ratio = -F.logsigmoid(log_odds(chosen) - log_odds(rejected))
+    return -chosen + lam * ratio, lam * chosen, lam * rejected
+
+
+def orpo_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """ORPO (orpo) with step.lam."""
+    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
+    loss, chosen, rejected = orpo(pc, pr, tc, tr, step.lam)
+    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
 # A preference method's loss over a micro batch, given the step's settings; a step spec's `loss` names one.
 PREFERENCE_LOSSES: dict[str, Callable[[PreferenceBatch, object], PreferenceResult]] = {
-    "dpo": dpo_step, "simpo": simpo_step}
+    "dpo": dpo_step, "simpo": simpo_step, "orpo": orpo_step}
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

@@ -165,6 +165,45 @@ def test_sft_then_simpo_chain(tmp_path):
     assert (tmp_path / "simpo" / "model" / "config.json").exists()
 
 
+# --------------------------------------------------------------------------------------- ORPO
+@pytest.mark.trajectory
+def test_orpo_learns_the_preferences_without_a_reference(tmp_path, record_property, sft_model):
+    """ORPO builds one model, lowers its loss (NLL of the chosen answers + the odds-ratio term), widens
+    the margin between the chosen and rejected answers' length-normalised log-probs, and saves a plain
+    causal LM that changed from its start."""
+    final = run(compose(["step=orpo", "step.max_steps=40", "step.eval_every_steps=0", "step.eval_accuracy_prompts=32",
+                         "optim.lr=1e-3", "step.log_every_steps=5", *QUIET, f"actor.path={sft_model}",
+                         *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    check_margin(record_property, "eval/loss after-before", final["eval/loss"] - final["eval/loss_before"], 0.0,
+                 higher=False, strict=True)
+    check_margin(record_property, "eval/margin gain", final["eval/margin"] - final["eval/margin_before"], 0.0,
+                 strict=True)
+    assert "eval/accuracy" in final
+    assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor"}
+    before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_orpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
+    args = ["step=orpo", f"actor.path={sft_model}", "step.max_steps=16", "data.max_train_samples=320",
+            "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",
+            "step.eval_accuracy_prompts=0"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "loss", 6)
+    _straight(args, tmp_path / "b")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
+
+
+def test_sft_then_orpo_chain(tmp_path):
+    overrides = ["pipeline=orpo", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
+                 "pipeline.orpo.step.max_steps=5", "pipeline.orpo.step.eval_accuracy_prompts=16"]
+    run(compose(overrides), overrides=overrides)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert list(manifest["steps"]) == ["sft", "orpo"]
+    assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"]["orpo"]["overrides"]
+    assert (tmp_path / "orpo" / "model" / "config.json").exists()
+
+
 @pytest.mark.parametrize("step", ["dpo", "simpo", "ppo"])
 def test_disable_dropout_reaches_the_lora_adapters(tmp_path, step):
     """lora.dropout=0.5 on a policy its step trains without dropout (DPO / SimPO's step.disable_dropout,

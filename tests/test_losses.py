@@ -413,6 +413,26 @@ def test_simpo_by_hand():
     assert losses.simpo(t([-2.0]), t([-20.0]), t([2.0]), t([20.0]), 2.0, 0.0)[0].item() == pytest.approx(math.log(2))
 
 
+def test_orpo_by_hand():
+    """Chosen: log-prob 2 log 0.5 over 2 tokens, p = 0.5, odds 1 (log odds 0); rejected: 3 log 0.2 over 3
+    tokens, p = 0.2, odds 0.25. Log odds ratio log 4: -log sigmoid(log 4) = log(1 + 1/4) = log 1.25.
+    With lambda 0.1: the chosen NLL per token log 2 + 0.1 log 1.25 = 0.715461; rewards 0.1 log p."""
+    loss, chosen, rejected = losses.orpo(t([2 * math.log(0.5)]), t([3 * math.log(0.2)]), t([2.0]), t([3.0]), lam=0.1)
+    assert loss.item() == pytest.approx(math.log(2) + 0.1 * math.log(1.25), abs=1e-6)
+    assert loss.item() == pytest.approx(0.715461, abs=1e-6)
+    assert chosen.item() == pytest.approx(0.1 * math.log(0.5)) and rejected.item() == pytest.approx(0.1 * math.log(0.2))
+    # lambda 0: SFT's loss alone; equal per-token probabilities: the odds term is log 2.
+    assert losses.orpo(t([-2.0]), t([-4.0]), t([2.0]), t([2.0]), 0.0)[0].item() == pytest.approx(1.0)
+    same = losses.orpo(t([-2.0]), t([-4.0]), t([2.0]), t([4.0]), 1.0)[0].item()
+    assert same == pytest.approx(1.0 + math.log(2), abs=1e-6)
+    # Near p = 1 the log odds stay finite (p capped just below 1), and the gradient too.
+    x = t([-1e-9, -0.5, -3.0]).requires_grad_()
+    assert torch.isfinite(losses.log_odds(x)).all()
+    assert losses.log_odds(x)[2].item() == pytest.approx(math.log(math.exp(-3) / (1 - math.exp(-3))), abs=1e-6)
+    losses.log_odds(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])

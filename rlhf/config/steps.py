@@ -233,6 +233,17 @@ class SimPOStepConfig(PreferenceStepConfig):
 
 
 @dataclass
+class ORPOStepConfig(PreferenceStepConfig):
+    name: str = "orpo"
+    # Weight of the odds-ratio term beside the chosen answers' NLL (the paper's lambda, 0.1-0.25).
+    lam: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("step.lam", self.lam, allow_zero=True)
+
+
+@dataclass
 class PPOStepConfig(StepConfig):
     name: str = "ppo"
     # Prompts each device generates answers for per PPO step (the rollout batch).
@@ -572,6 +583,9 @@ STEPS: dict[str, StepSpec] = {
     # SimPO: reference-free, the policy alone learns from the reward part's pairs.
     "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (_POLICY,), "preference",
                       ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="simpo"),
+    # ORPO: SFT's loss on the chosen answers plus an odds-ratio term against the rejected ones; no reference.
+    "orpo": StepSpec(ORPOStepConfig, "Step 2-3 (ORPO)", 1, "pairs", (_POLICY,), "preference",
+                     ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="orpo"),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
                     (_POLICY, _REFERENCE, Role("critic", True, False), Role("reward", False, False)), "ppo",
                     ("eval/accuracy", "max"),
