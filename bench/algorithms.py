@@ -1,5 +1,5 @@
 """Which alignment algorithm learns the shipped task, side by side: PPO (GAE with a critic), GRPO,
-RLOO, REINFORCE++ -- each with the reward model and with the rule as the reward -- DPO, SimPO and ORPO, all from
+RLOO, REINFORCE++ -- each with the reward model and with the rule as the reward -- DPO, SimPO, ORPO and KTO (the pairs split into unpaired rows), all from
 the same SFT start (and the same reward model), with the same budget of PPO steps and rollouts.
 
 Each method is one `python launch.py` run of the chain's own PPO stage (conf/stage/e2e/ppo.yaml) with
@@ -48,7 +48,7 @@ REWARDS = {"rm": [], "rule": ["step.reward_fn=rule", "step.reward_model_weight=0
 # with its step file's settings. Name -> (step, stage files, overrides).
 DPO_VARIANTS = {"dpo": ("dpo", ["e2e/dpo"], []), "dpo_rpo": ("dpo", ["e2e/dpo"], ["step.nll_coef=1"]),
                 "ipo": ("dpo", ["e2e/dpo"], ["step.loss=ipo"]), "simpo": ("simpo", ["e2e/simpo"], []),
-                "orpo": ("orpo", [], [])}
+                "orpo": ("orpo", [], []), "kto": ("kto", [], [])}
 TARGETS = {"dpo": 20.0, "rm": 20.0, "rule": 25.0}
 
 
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=375, help="PPO steps of 128 rollouts for every RL method")
     ap.add_argument("--methods", nargs="+", default=["ppo", "grpo", "rloo", "reinforce_pp", "dpo", "dpo_rpo", "simpo",
-                                                      "orpo"],
+                                                      "orpo", "kto"],
                     choices=[*METHODS, *DPO_VARIANTS])
     ap.add_argument("--rewards", nargs="+", default=["rm", "rule"], choices=list(REWARDS))
     ap.add_argument("--dpo", nargs="*", default=[], help="extra overrides of the DPO run")

@@ -207,9 +207,44 @@ def orpo_step(b: PreferenceBatch, step) -> PreferenceResult:
     return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
 
 
+def kto(logratio: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, beta: float, desirable_weight: float,
+        undesirable_weight: float) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, eq. 8), per row: lambda_D (1 - sigmoid(beta (r - z0))) for a
+    desirable answer, lambda_U (1 - sigmoid(beta (z0 - r))) for an undesirable one, r = log pi(y|x) -
+    log ref(y|x) of the answer and z0 the reference point (kto_reference_point)."""
+    d = desirable.to(logratio.dtype)
+    good = desirable_weight * (1 - torch.sigmoid(beta * (logratio - z0)))
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratio)))
+    return d * good + (1 - d) * bad
+
+
+def kto_reference_point(mismatched_logratio: torch.Tensor) -> torch.Tensor:
+    """KTO's z0: the policy's KL to the reference estimated by the mean log-ratio of answers to other
+    prompts (mismatched pairs), over all ranks where several train, clamped at 0 (a KL is not negative)
+    and detached: it sets the point that rewards are judged against, it is not trained."""
+    total = torch.stack([mismatched_logratio.detach().float().sum(),
+                         torch.tensor(float(len(mismatched_logratio)), device=mismatched_logratio.device)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).clamp(min=0).to(mismatched_logratio.dtype)
+
+
+def kto_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """KTO (kto) with step.beta, step.desirable_weight and step.undesirable_weight on unpaired rows; the
+    rewards beta * r of the desirable and of the undesirable answers, right where beta (r - z0) has the
+    label's sign."""
+    (own, partner) = halves(b.logp - b.ref_logp)
+    z0 = kto_reference_point(partner)
+    loss = kto(own, b.desirable, z0, step.beta, step.desirable_weight, step.undesirable_weight)
+    reward, good = (step.beta * own).detach(), b.desirable.bool()
+    side = reward - step.beta * z0
+    right = torch.where(good, (side > 0).float(), (side < 0).float()) + 0.5 * (side == 0).float()
+    return PreferenceResult(loss.mean(), reward[good], reward[~good], right)
+
+
 # A preference method's loss over a micro batch, given the step's settings; a step spec's `loss` names one.
 PREFERENCE_LOSSES: dict[str, Callable[[PreferenceBatch, object], PreferenceResult]] = {
-    "dpo": dpo_step, "simpo": simpo_step, "orpo": orpo_step}
+    "dpo": dpo_step, "simpo": simpo_step, "orpo": orpo_step, "kto": kto_step}
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

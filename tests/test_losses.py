@@ -433,6 +433,28 @@ def test_orpo_by_hand():
     assert torch.isfinite(x.grad).all()
 
 
+def test_kto_by_hand():
+    """Mismatched log-ratios 0.5 and 1.5: z0 = 1. Desirable r = 2, beta 1: 1 - sigmoid(1) = 0.268941;
+    undesirable r = -1: 1 - sigmoid(1 - (-1)) = 1 - sigmoid(2) = 0.119203. Weights scale each kind."""
+    z0 = losses.kto_reference_point(t([0.5, 1.5]))
+    assert z0.item() == pytest.approx(1.0)
+    per_row = losses.kto(t([2.0, -1.0]), t([1.0, 0.0]), z0, 1.0, 1.0, 1.0)
+    assert per_row.tolist() == pytest.approx([0.268941, 0.119203], abs=1e-6)
+    assert losses.kto(t([2.0, -1.0]), t([1.0, 0.0]), z0, 1.0, 2.0, 0.5).tolist() == \
+        pytest.approx([2 * 0.268941, 0.5 * 0.119203], abs=1e-6)
+    # A negative KL estimate is clamped to 0, and z0 carries no gradient (it is not trained).
+    assert losses.kto_reference_point(t([-2.0, 1.0])).item() == 0.0
+    mismatched = t([0.5, 1.5]).requires_grad_()
+    assert not losses.kto_reference_point(mismatched).requires_grad
+    # At the start policy = reference: every r and z0 are 0, each row's loss 1 - sigmoid(0) = 0.5, ties.
+    batch = losses.PreferenceBatch(t([-3.0, -4.0, -5.0, -6.0]), t([2, 2, 2, 2]), t([-3.0, -4.0, -5.0, -6.0]),
+                                   t([1.0, 0.0]))
+    step = type("Step", (), {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0})
+    r = losses.kto_step(batch, step)
+    assert r.loss.item() == pytest.approx(0.5) and r.right.tolist() == [0.5, 0.5]
+    assert r.chosen.tolist() == [0.0] and r.rejected.tolist() == [0.0]
+
+
 def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])

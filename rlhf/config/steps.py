@@ -244,6 +244,23 @@ class ORPOStepConfig(PreferenceStepConfig):
 
 
 @dataclass
+class KTOStepConfig(ReferenceStepConfig):
+    name: str = "kto"
+    # Scale of the reward beta * log(pi / ref) in the loss (the paper's beta). Higher stays closer.
+    beta: float = 0.1
+    # Weight of the desirable rows' loss (lambda_D).
+    desirable_weight: float = 1.0
+    # Weight of the undesirable rows' loss (lambda_U); the paper keeps lambda_D x desirable rows /
+    # (lambda_U x undesirable rows) in [1, 4/3].
+    undesirable_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("beta", "desirable_weight", "undesirable_weight"):
+            _positive(f"step.{key}", getattr(self, key))
+
+
+@dataclass
 class PPOStepConfig(StepConfig):
     name: str = "ppo"
     # Prompts each device generates answers for per PPO step (the rollout batch).
@@ -586,6 +603,10 @@ STEPS: dict[str, StepSpec] = {
     # ORPO: SFT's loss on the chosen answers plus an odds-ratio term against the rejected ones; no reference.
     "orpo": StepSpec(ORPOStepConfig, "Step 2-3 (ORPO)", 1, "pairs", (_POLICY,), "preference",
                      ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="orpo"),
+    # KTO: unpaired rows (each pair's chosen answer desirable, its rejected one undesirable) judged
+    # against a reference point, the policy's KL to the frozen reference.
+    "kto": StepSpec(KTOStepConfig, "Step 2-3 (KTO)", 1, "unpaired", (_POLICY, _REFERENCE), "preference",
+                    ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="kto"),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
                     (_POLICY, _REFERENCE, Role("critic", True, False), Role("reward", False, False)), "ppo",
                     ("eval/accuracy", "max"),
