@@ -215,6 +215,17 @@ def with_policy_pairs(cfg: Config, tokenizer, policy_path: str, train_ds, report
     return train_ds, own
 
 
+def heldout_halves(eval_ds, cfg: Config) -> tuple:
+    """Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
+    reported figure comes from the other (eval/*). One prompt: no split, both read it."""
+    select_rows, report_rows = heldout_split([tuple(ids[:n]) for ids, n in zip(eval_ds["chosen_ids"],
+                                                                                eval_ds["prompt_len"], strict=True)],
+                                             cfg.data.seed)
+    if not select_rows:
+        select_rows = report_rows = list(range(len(eval_ds)))
+    return eval_ds.select(select_rows), eval_ds.select(report_rows)
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
@@ -226,15 +237,7 @@ def run(cfg: Config) -> dict:
     train_ds, own = with_policy_pairs(cfg, tokenizer, step_cfg.policy_path or model_path, train_ds, report)
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
-    # Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
-    # reported figure comes from the other (eval/*). One prompt: no split, both read it.
-    select_rows, report_rows = heldout_split([tuple(ids[:n]) for ids, n in zip(eval_ds["chosen_ids"],
-                                                                                eval_ds["prompt_len"], strict=True)],
-                                             cfg.data.seed)
-    if not select_rows:
-        select_rows = report_rows = list(range(len(eval_ds)))
-    selection = common.eval_loader(eval_ds.select(select_rows), cfg, rank, world, collate)
-    evaluation = common.eval_loader(eval_ds.select(report_rows), cfg, rank, world, collate)
+    selection, evaluation = (common.eval_loader(part, cfg, rank, world, collate) for part in heldout_halves(eval_ds, cfg))
     cands = rule_check_candidates(cfg, eval_prompts, tokenizer)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 
