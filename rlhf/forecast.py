@@ -504,6 +504,9 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     if spec.generates:
         return _ppo(cfg, part_rows, rates, notes, lengths)
     pairs = spec.seqs_per_row == 2
+    if part_rows and spec.rows_per_source_row > 1:
+        part_rows *= spec.rows_per_source_row
+        notes.append(f"{spec.rows_per_source_row} {spec.rows} rows from each row of the data")
     # Pairs from the policy's own answers (rlhf.runners.reward.policy_pairs): sampled before training,
     # then trained on beside the data's; counted as if every draw were a distinct wrong answer (a cap:
     # 70-80% were on two untuned tasks).

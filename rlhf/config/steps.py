@@ -562,6 +562,11 @@ class StepSpec:
         return 2 if self.rows in ("pairs", "unpaired") else 1
 
     @property
+    def rows_per_source_row(self) -> int:
+        """Training rows that one row of the data's part makes: an unpaired step's pair makes two."""
+        return 2 if self.rows == "unpaired" else 1
+
+    @property
     def generates(self) -> bool:
         """Whether it trains on answers it generates (rollouts): decode memory, rollout forecasts."""
         return self.rows == "rollouts"
