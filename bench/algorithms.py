@@ -1,5 +1,5 @@
 """Which alignment algorithm learns the shipped task, side by side: PPO (GAE with a critic), GRPO,
-RLOO, REINFORCE++ -- each with the reward model and with the rule as the reward -- DPO and SimPO, all from
+RLOO, REINFORCE++ -- each with the reward model and with the rule as the reward -- DPO, SimPO, ORPO and KTO (the pairs split into unpaired rows), all from
 the same SFT start (and the same reward model), with the same budget of PPO steps and rollouts.
 
 Each method is one `python launch.py` run of the chain's own PPO stage (conf/stage/e2e/ppo.yaml) with
@@ -44,8 +44,11 @@ METHODS = {
 REWARDS = {"rm": [], "rule": ["step.reward_fn=rule", "step.reward_model_weight=0"]}
 # DPO variants over the chain's DPO stage (conf/stage/e2e/dpo.yaml): plain DPO, with RPO's NLL term
 # on the chosen answers, and IPO.
-# SimPO, reference-free, over its own chain stage (conf/stage/e2e/simpo.yaml): step name -> variants.
-DPO_VARIANTS = {"dpo": [], "dpo_rpo": ["step.nll_coef=1"], "ipo": ["step.loss=ipo"], "simpo": []}
+# SimPO, reference-free, over its own chain stage (conf/stage/e2e/simpo.yaml); ORPO (reference-free)
+# with its step file's settings. Name -> (step, stage files, overrides).
+DPO_VARIANTS = {"dpo": ("dpo", ["e2e/dpo"], []), "dpo_rpo": ("dpo", ["e2e/dpo"], ["step.nll_coef=1"]),
+                "ipo": ("dpo", ["e2e/dpo"], ["step.loss=ipo"]), "simpo": ("simpo", ["e2e/simpo"], []),
+                "orpo": ("orpo", [], []), "kto": ("kto", [], [])}
 TARGETS = {"dpo": 20.0, "rm": 20.0, "rule": 25.0}
 
 
@@ -73,8 +76,8 @@ def run_one(name: str, reward: str, sft: Path, rm: Path, args) -> dict:
     run_dir = args.out / f"{name}_{reward}"
     common = [f"seed={args.seed}", "logging.progress_bar=false", f"run_dir={run_dir}", f"actor.path={sft}"]
     if name in DPO_VARIANTS:
-        step = "simpo" if name == "simpo" else "dpo"
-        overrides = [f"step={step}", f"+stage=[e2e/{step}]", *common, *DPO_VARIANTS[name], *args.dpo]
+        step, stages, variant = DPO_VARIANTS[name]
+        overrides = [f"step={step}", *([f"+stage=[{','.join(stages)}]"] if stages else []), *common, *variant, *args.dpo]
     else:
         overrides = ["step=ppo", "+stage=[e2e/ppo]", *common, f"critic.path={rm}", f"step.max_steps={args.steps}",
                      *METHODS[name], *REWARDS[reward]]
@@ -98,7 +101,8 @@ def main() -> None:
     ap.add_argument("--chain", type=Path, help="a finished chain folder whose sft/ and reward/ outputs to start from")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=375, help="PPO steps of 128 rollouts for every RL method")
-    ap.add_argument("--methods", nargs="+", default=["ppo", "grpo", "rloo", "reinforce_pp", "dpo", "dpo_rpo", "simpo"],
+    ap.add_argument("--methods", nargs="+", default=["ppo", "grpo", "rloo", "reinforce_pp", "dpo", "dpo_rpo", "simpo",
+                                                      "orpo", "kto"],
                     choices=[*METHODS, *DPO_VARIANTS])
     ap.add_argument("--rewards", nargs="+", default=["rm", "rule"], choices=list(REWARDS))
     ap.add_argument("--dpo", nargs="*", default=[], help="extra overrides of the DPO run")

@@ -498,9 +498,13 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     notes = [how] + ([rates.measured] if rates.measured else [])
     # Only adapters trained: the frozen weights need no weight gradients.
     lora = cfg.lora.rank > 0 and cfg.lora.only_optimize_lora
-    if step.name == "ppo":
+    spec = STEPS[step.name]
+    if spec.generates:
         return _ppo(cfg, part_rows, rates, notes, lengths)
-    pairs = STEPS[step.name].rows == "pairs"
+    pairs = spec.seqs_per_row == 2
+    if part_rows and spec.rows_per_source_row > 1:
+        part_rows *= spec.rows_per_source_row
+        notes.append(f"{spec.rows_per_source_row} {spec.rows} rows from each row of the data")
     # Pairs from the policy's own answers (rlhf.runners.reward.policy_pairs): sampled before training,
     # then trained on beside the data's; counted as if every draw were a distinct wrong answer, so
     # the forecast is a cap (duplicates and right answers make no pair).
@@ -522,7 +526,7 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     total, _, lora_params = param_counts(cfg.model, cfg.lora.rank, cfg.lora.target_modules)
     trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
     compute = train_flops(cfg.model, seqs * seq, seq, trained.lm_head, step.gradient_checkpointing, lora)
-    if step.name == "dpo":  # the reference's forward over the same pairs
+    if spec.has_role("reference"):  # the reference's forward over the same pairs
         compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
                        hw.precision, rates)
@@ -555,11 +559,10 @@ def _supervised_evaluation_s(cfg: Config, steps: int, rates: Rates) -> float:
     step, world = cfg.step, cfg.world_size
     evals = 1 + step.epochs + (steps // step.eval_every_steps if step.eval_every_steps else 0)
     rows = -(-(cfg.data.max_eval_samples if cfg.data.max_eval_samples > 0 else 1000) // world)
-    pairs = STEPS[step.name].rows == "pairs"
-    seqs = rows * (2 if pairs else 1)
-    lm_head = step.name != "reward"
-    forward = forward_flops(cfg.model, seqs * step.max_seq_len, step.max_seq_len / 2, lm_head) / rates.flops
-    if step.name == "dpo":
+    spec = STEPS[step.name]
+    seqs = rows * spec.seqs_per_row
+    forward = forward_flops(cfg.model, seqs * step.max_seq_len, step.max_seq_len / 2, spec.policy.lm_head) / rates.flops
+    if spec.has_role("reference"):
         forward *= 2
     greedy = 0.0
     if getattr(step, "eval_accuracy_prompts", 0):

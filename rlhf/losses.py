@@ -124,6 +124,129 @@ def dpo_margin(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
     return (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
 
 
+# ------------------------------------------------------------------------- preference methods
+@dataclass
+class PreferenceBatch:
+    """What a preference loss reads of a micro batch of n rows, two sequences each: first the n rows'
+    answers (a pair's chosen one; an unpaired row's own), then their partners (a pair's rejected
+    answer; an unpaired row's mismatched answer, another prompt's)."""
+
+    # Summed answer log-probs under the policy, [2n].
+    logp: torch.Tensor
+    # Answer tokens (eos included), [2n].
+    tokens: torch.Tensor
+    # Summed answer log-probs under the frozen reference, [2n]; None for a reference-free method.
+    ref_logp: torch.Tensor | None = None
+    # Unpaired rows: 1.0 for a desirable answer, 0.0 for an undesirable one, [n]; None for pairs.
+    desirable: torch.Tensor | None = None
+
+
+def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' answers' and their partners' figures of a preference batch's sequences."""
+    return x[: len(x) // 2], x[len(x) // 2:]
+
+
+@dataclass
+class PreferenceResult:
+    """A preference loss's output: the loss to backpropagate (mean over the rows), the implicit
+    rewards of the chosen (desirable) and of the rejected (undesirable) answers, and per row 1 where
+    its reward sits on the right side (of its pair's other answer, or of the reference point), 0.5 on
+    a tie (at the start of a method with a reference every reward is 0: accuracy starts at 0.5)."""
+
+    loss: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    right: torch.Tensor
+
+
+def _right(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
+def dpo_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """DPO and its variants (step.loss of DPO_LOSSES), plus step.nll_coef x the chosen answers' NLL (RPO);
+    implicit rewards beta * log(pi / ref)."""
+    (pc, pr), (rc, rr) = halves(b.logp), halves(b.ref_logp)
+    chosen, rejected = step.beta * (pc - rc), step.beta * (pr - rr)
+    loss = DPO_LOSSES[step.loss](dpo_margin(pc, pr, rc, rr), step.beta, step.label_smoothing).mean()
+    if step.nll_coef:
+        loss = loss + step.nll_coef * answer_nll(pc, halves(b.tokens)[0])
+    return PreferenceResult(loss, chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
+def simpo_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """SimPO (simpo) with step.beta and step.gamma."""
+    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
+    loss, chosen, rejected = simpo(pc, pr, tc, tr, step.beta, step.gamma)
+    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
+def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of p = exp(mean_logp), stable near p = 1 (p is capped just below it)."""
+    x = mean_logp.clamp(max=-1e-6)
+    # log(1 - e^x): -expm1 is accurate where e^x is near 1, log1p where it is small.
+    return x - torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, chosen_len: torch.Tensor,
+         rejected_len: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO (Hong, Lee and Thorne 2024, eq. 6-7), per pair: the chosen answer's NLL per token plus lam x
+    -log sigmoid(log odds(y_w|x) - log odds(y_l|x)), odds = p / (1 - p) with p the length-normalised
+    sequence probability exp(log pi(y|x) / |y|); no reference model. Also returns the rewards
+    lam x log p of each answer (their order is the log odds' order). ``*_logp``: summed answer
+    log-probs; ``*_len``: answer tokens."""
+    chosen, rejected = chosen_logp / chosen_len, rejected_logp / rejected_len
+    ratio = -F.logsigmoid(log_odds(chosen) - log_odds(rejected))
+    return -chosen + lam * ratio, lam * chosen, lam * rejected
+
+
+def orpo_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """ORPO (orpo) with step.lam."""
+    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
+    loss, chosen, rejected = orpo(pc, pr, tc, tr, step.lam)
+    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
+def kto(logratio: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, beta: float, desirable_weight: float,
+        undesirable_weight: float) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, eq. 8), per row: lambda_D (1 - sigmoid(beta (r - z0))) for a
+    desirable answer, lambda_U (1 - sigmoid(beta (z0 - r))) for an undesirable one, r = log pi(y|x) -
+    log ref(y|x) of the answer and z0 the reference point (kto_reference_point)."""
+    d = desirable.to(logratio.dtype)
+    good = desirable_weight * (1 - torch.sigmoid(beta * (logratio - z0)))
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratio)))
+    return d * good + (1 - d) * bad
+
+
+def kto_reference_point(mismatched_logratio: torch.Tensor) -> torch.Tensor:
+    """KTO's z0: the policy's KL to the reference estimated by the mean log-ratio of answers to other
+    prompts (mismatched pairs), over all ranks where several train, clamped at 0 (a KL is not negative)
+    and detached: it sets the point that rewards are judged against, it is not trained."""
+    total = torch.stack([mismatched_logratio.detach().float().sum(),
+                         torch.tensor(float(len(mismatched_logratio)), device=mismatched_logratio.device)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).clamp(min=0).to(mismatched_logratio.dtype)
+
+
+def kto_step(b: PreferenceBatch, step) -> PreferenceResult:
+    """KTO (kto) with step.beta, step.desirable_weight and step.undesirable_weight on unpaired rows; the
+    rewards beta * r of the desirable and of the undesirable answers, right where beta (r - z0) has the
+    label's sign."""
+    (own, partner) = halves(b.logp - b.ref_logp)
+    z0 = kto_reference_point(partner)
+    loss = kto(own, b.desirable, z0, step.beta, step.desirable_weight, step.undesirable_weight)
+    reward, good = (step.beta * own).detach(), b.desirable.bool()
+    side = reward - step.beta * z0
+    right = torch.where(good, (side > 0).float(), (side < 0).float()) + 0.5 * (side == 0).float()
+    return PreferenceResult(loss.mean(), reward[good], reward[~good], right)
+
+
+# A preference method's loss over a micro batch, given the step's settings; a step spec's `loss` names one.
+PREFERENCE_LOSSES: dict[str, Callable[[PreferenceBatch, object], PreferenceResult]] = {
+    "dpo": dpo_step, "simpo": simpo_step, "orpo": orpo_step, "kto": kto_step}
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve of ``scores`` for binary ``labels`` (ties count half); nan if one class."""
     pos, neg = scores[labels.bool()], scores[~labels.bool()]

@@ -124,10 +124,11 @@ def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> f
 
 def generating_role(cfg: Config) -> str | None:
     """The role that generates, in a step that does: PPO's rollouts, SFT's and DPO's greedy accuracy eval."""
-    if cfg.step.name != "ppo" and not getattr(cfg.step, "eval_accuracy_prompts", 0):
+    spec = STEPS[cfg.step.name]
+    if not spec.generates and not getattr(cfg.step, "eval_accuracy_prompts", 0):
         return None
     # The trainable language model of the step: PPO's and DPO's actor, SFT's model.
-    return next(r.name for r in STEPS[cfg.step.name].roles if r.trainable and r.lm_head)
+    return spec.policy.name
 
 
 def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
@@ -230,8 +231,8 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
             r.weights = w_bytes * total
         return r
 
-    if step.name != "ppo":  # a micro batch of pairs holds both answers of each pair
-        batch = 2 * micro if STEPS[step.name].rows == "pairs" else micro
+    if not STEPS[step.name].generates:  # a micro batch of pairs holds both answers of each pair
+        batch = STEPS[step.name].seqs_per_row * micro
         # DPO's reference is counted even when its log-probs are precomputed: it is loaded for that pass.
         return [trainable_role(role.name, cfg.model, cfg.lora.rank, batch, step.max_seq_len, role.lm_head)
                 if role.trainable else frozen_role(role.name, cfg.model, getattr(step, f"offload_{role.name}"))

@@ -30,7 +30,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rlhf.config import PROJECT_ROOT, RANDOM_FAMILIES, Config, ConfigError, LoraConfig, ModelConfig, load_model_file
+from rlhf.config import (
+    PROJECT_ROOT,
+    RANDOM_FAMILIES,
+    STEPS,
+    Config,
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    load_model_file,
+)
 
 # Special tokens of the tokenizers we train: pad is distinct from eos so that a mask built from
 # pad never hides a real end of answer.
@@ -592,7 +601,7 @@ def ppo_role_problems(cfg: Config) -> list[str]:
     """What makes a PPO config unrunnable before any model loads: a missing reward model, or roles
     whose sizes (model_sizes: their config.json, else their conf/model numbers) say they
     use another tokenizer than the actor. Used by the dry-run, the launcher and the runner alike."""
-    if cfg.step.name != "ppo":
+    if not STEPS[cfg.step.name].generates:
         return []
     problems = []
     if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):

@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import launch_step
-from rlhf.config import STEPS, Config, ConfigError, compose_config, to_schema
+from rlhf.config import STEPS, Config, ConfigError, compose_config, step_roles, to_schema
 from rlhf.files import write_whole
 from rlhf.launcher import launch_ranks
 from rlhf.plan import build_plan
@@ -64,14 +64,9 @@ def step_overrides(cfg: DictConfig, name: str, overrides: list[str], outputs: di
     extra = [f"step={name}"]
     if stages := list(cfg.pipeline.stages.get(name, [])):
         extra.append(f"+stage=[{','.join(stages)}]")
-    if name == "reward" and cfg.pipeline.reward_from_sft and "sft" in outputs:
-        extra += [f"model.path={outputs['sft']}", "model.random_init=false"]
-    if name == "reward" and "sft" in outputs:  # the policy whose answers make step.policy_pairs_prompts' pairs
-        extra += [f"step.policy_path={outputs['sft']}"]
-    if any(role.name == "actor" for role in STEPS[name].roles):  # a policy step starts from the SFT output
-        extra += [f"actor.path={outputs['sft']}"] if "sft" in outputs else []
-    if name == "ppo":
-        extra += [f"critic.path={outputs['reward']}"] if "reward" in outputs else []
+    for key, source, flag in STEPS[name].chain_inputs:  # earlier steps' outputs, as the spec says
+        if source in outputs and (flag is None or cfg.pipeline[flag]):
+            extra += [f"{key}={outputs[source]}"] + (["model.random_init=false"] if key == "model.path" else [])
     base = [o for o in overrides if not o.lstrip("+~").startswith(_CHAIN_KEYS)]
     # Stage files and outputs first, the command line after: what the user typed wins. The step's
     # own config is never a chain, whatever an experiment file says.
@@ -197,13 +192,15 @@ def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs
     """The chain's steps without a reward model that nothing downstream would use: PPO rewarded by the
     rule alone (step.reward_model_weight=0) with a critic-free estimator reads neither its score
     nor its weights (the critic starts from them). Also returns why each left-out step was left out."""
-    from rlhf.losses import ESTIMATORS
-
-    if "reward" not in steps or "ppo" not in steps or any(s in steps for s in ("dpo", "simpo")):
+    # The steps that take the reward model's output (its spec's chain_inputs): skipped only where each
+    # of them builds neither a critic (which starts from it) nor a reward model.
+    readers = [s for s in steps if any(source == "reward" for _, source, _ in STEPS[s].chain_inputs)]
+    if "reward" not in steps or not readers:
         return steps, {}
-    ppo = to_schema(step_config(cfg, "ppo", overrides, outputs, chain_dir)[0]).step
-    if ppo.reward_model_weight > 0 or ESTIMATORS[ppo.advantage_estimator].needs_critic:
+    built = {s: to_schema(step_config(cfg, s, overrides, outputs, chain_dir)[0]) for s in readers}
+    if any({r.name for r in step_roles(schema)} & {"critic", "reward"} for schema in built.values()):
         return steps, {}
+    ppo = next(iter(built.values())).step
     why = (f"PPO's reward is the rule alone (step.reward_model_weight=0) and {ppo.advantage_estimator} builds no "
            "critic, so nothing would use a reward model")
     print(f"[e2e] {STEPS['reward'].title}: skipped: {why}", flush=True)
@@ -220,19 +217,6 @@ def _figure(metrics: dict, key: str, label: str, percent: bool = True) -> str | 
     return f"{label} {show(before)} -> {show(metrics[key])}" if before is not None else f"{label} {show(metrics[key])}"
 
 
-# Per step, the figures the summary shows: (final-metrics key, label, as a percentage).
-SUMMARY_FIGURES = {
-    "sft": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/loss", "held-out loss", False)],
-    "reward": [("eval/acc", "held-out pairwise accuracy", True)],
-    "dpo": [("eval/pref_acc", "held-out preference accuracy", True),
-            ("eval/accuracy", "held-out accuracy by the rule", True)],
-    "simpo": [("eval/pref_acc", "held-out preference accuracy", True),
-              ("eval/accuracy", "held-out accuracy by the rule", True)],
-    "ppo": [("eval/accuracy", "held-out accuracy by the rule", True), ("eval/rm_score", "reward-model score", False),
-            ("select/policy_rm_auc_before", "reward model's AUC on the start policy's samples", False)],
-}
-
-
 def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
     """The chain's closing block: each step's time and figures, every warning, where the outputs
     are, and what to try next."""
@@ -241,7 +225,7 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
     for name in planned:
         entry, metrics = manifest["steps"][name], results.get(name, {})
         took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
-        figures = [f for key, label, pct in SUMMARY_FIGURES.get(name, []) if (f := _figure(metrics, key, label, pct))]
+        figures = [f for key, label, pct in STEPS[name].summary if (f := _figure(metrics, key, label, pct))]
         rerun = " (earlier run)" if entry.get("skipped_on_rerun") else ""
         guess = (f" (forecast {dt.timedelta(seconds=round(metrics['forecast_s']))})"
                  if "forecast_s" in metrics and not rerun else "")

@@ -111,7 +111,7 @@ def _arithmetic(schema: Config) -> list[str]:
     lines.append(f"batch: {step.micro_batch_size_per_device} micro x {step.gradient_accumulation_steps} "
                  f"accumulation x {schema.world_size} ranks = {step.global_batch_size} "
                  f"{STEPS[step.name].rows} per optimizer step")
-    if step.name == "ppo":
+    if STEPS[step.name].generates:
         lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
                      f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "
                      f"{ppo_updates_per_step(schema)} optimizer steps each ({step.ppo_epochs} PPO epoch(s) x "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlhf.config import Config
+from rlhf.config import STEPS, Config
 
 # Every refusal of a weak step ends with this: how to run the step anyway (and how a caller that
 # collects refusals, such as the benchmarks, tells one from another error).
@@ -29,7 +29,7 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
     def final(prev: str) -> dict:
         return chain_final(chain_dir, prev) if prev in steps else {}
 
-    if name == "ppo":
+    if "reward_accuracy" in STEPS[name].checks:
         rm = final("reward").get("eval/acc")
         if pipe.reward_min_accuracy and rm is not None and rm < pipe.reward_min_accuracy \
                 and step.step.reward_model_weight > 0:
@@ -43,7 +43,7 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
     after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
     # The policy's accuracy dooms PPO whatever comes between: judged as soon as SFT's figures exist,
     # so that no reward model trains for a PPO that cannot start.
-    if (name == "ppo" or (after_sft and "ppo" in steps[steps.index(name):])) \
+    if any("policy_accuracy" in STEPS[s].checks for s in (steps[steps.index(name):] if after_sft else [name])) \
             and (why := _policy_too_weak(pipe, final("sft"), chain_dir)):
         return why
     if pipe.sft_beyond_constant and after_sft and (why := _only_a_constant(final("sft"), chain_dir)):

@@ -17,32 +17,21 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from rlhf.config import NUMERIC_GROUPS
+from rlhf.config import NUMERIC_GROUPS, STEPS
 from rlhf.files import write_whole
 
-# The number each step's sweeps optimize, and in which direction.
-OBJECTIVES: dict[str, tuple[str, str]] = {
-    "sft": ("eval/ppl", "min"),
-    "reward": ("eval/acc", "max"),
-    "ppo": ("eval/accuracy", "max"),
-    "dpo": ("eval/pref_acc", "max"),
-    "simpo": ("eval/pref_acc", "max"),
-}
-# Keys that change how a step's objective is measured: jobs that differ in one are not ranked
-# against each other by it (SFT's perplexity over answer tokens vs over every token).
-MEASURED_WITH: dict[str, tuple[str, ...]] = {"sft": ("step.loss_on",)}
 RESULT_FILE = "metrics.json"
 
 
 def objective(step: str, final: dict) -> float:
-    key, _ = OBJECTIVES[step]
+    key, _ = STEPS[step].objective
     value = final.get(key)
     return float(value) if isinstance(value, int | float) else math.nan
 
 
 def write_result(run_dir: Path, status: str, step: str, overrides: list[str], final: dict | None, wall_s: float,
                  error: str | None = None) -> dict:
-    key, mode = OBJECTIVES.get(step, ("", "max"))
+    key, mode = STEPS[step].objective if step in STEPS else ("", "max")
     result = {"status": status, "step": step, "overrides": overrides, "objective": key, "mode": mode,
               "value": objective(step, final or {}) if status == "ok" else None,
               "wall_s": round(wall_s, 1), "metrics": final or {}, "error": error}
@@ -158,7 +147,7 @@ def write_tables(rows: list[dict], out: Path, trials: bool = False) -> dict[str,
         csv.writer(f).writerows([header, *table])
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in table]
-    unlike = [k for k in _swept(ok) if k in MEASURED_WITH.get(ok[0].get("step", ""), ())] if ok else []
+    unlike = [k for k in _swept(ok) if k in getattr(STEPS.get(ok[0].get("step", "")), "measured_with", ())] if ok else []
     caveat = (f"WARNING: the jobs differ in {', '.join(unlike)}, which changes how {objective_name} is measured: "
               "the ranking compares unlike figures\n\n" if unlike else "")
     if unlike:

@@ -45,7 +45,7 @@ def test_a_dry_run_the_real_run_would_refuse_exits_2_and_says_so_last(tmp_path):
     ("step.max_steps=1.5", "config error: step.max_steps='1.5': expected an integer"),
     ("launch.dry_run=maybe", "config error: launch.dry_run='maybe': expected true or false"),
     ("zero=5", "config error: zero=5: no such option; zero is one of 0, 1, 2, 2-offload, 3, 3-offload"),
-    ("step=ppx", "config error: step=ppx: no such option; step is one of dpo, ppo, reward, sft, simpo"),
+    ("step=ppx", "config error: step=ppx: no such option; step is one of dpo, kto, orpo, ppo, reward, sft, simpo"),
 ])
 def test_a_wrong_value_type_or_group_option_is_one_line_and_exit_2(override, line, tmp_path):
     proc = run_cli(override, f"run_dir={tmp_path}", timeout=300)

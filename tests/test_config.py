@@ -167,9 +167,12 @@ def test_every_step_has_a_runner_and_one_table_entry():
     from rlhf.runners import RUNNERS
 
     assert set(RUNNERS) == set(STEPS)
-    # SFT, reward and PPO each train on their own part of the split; DPO and SimPO on the reward part's pairs.
-    assert sorted(spec.split_index for spec in STEPS.values()) == [0, 1, 1, 1, 2]
-    assert STEPS["dpo"].split_index == STEPS["simpo"].split_index == STEPS["reward"].split_index
+    # SFT, reward and PPO each train on their own part of the split; every preference method on the
+    # reward part's pairs.
+    assert [STEPS[s].split_index for s in ("sft", "reward", "ppo")] == [0, 1, 2]
+    preference = [spec for spec in STEPS.values() if spec.runner == "preference"]
+    assert {"dpo", "simpo"} <= {spec.schema.name for spec in preference}
+    assert {spec.split_index for spec in preference} == {STEPS["reward"].split_index}
     ppo = to_schema(compose(["step=ppo", "step.reward_fn=rule", "step.reward_model_weight=0"]))
     from rlhf.config import step_roles
 

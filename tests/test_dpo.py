@@ -165,6 +165,80 @@ def test_sft_then_simpo_chain(tmp_path):
     assert (tmp_path / "simpo" / "model" / "config.json").exists()
 
 
+# --------------------------------------------------------------------------------------- ORPO
+@pytest.mark.trajectory
+def test_orpo_learns_the_preferences_without_a_reference(tmp_path, record_property, sft_model):
+    """ORPO builds one model, lowers its loss (NLL of the chosen answers + the odds-ratio term), widens
+    the margin between the chosen and rejected answers' length-normalised log-probs, and saves a plain
+    causal LM that changed from its start."""
+    final = run(compose(["step=orpo", "step.max_steps=40", "step.eval_every_steps=0", "step.eval_accuracy_prompts=32",
+                         "optim.lr=1e-3", "step.log_every_steps=5", *QUIET, f"actor.path={sft_model}",
+                         *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    check_margin(record_property, "eval/loss after-before", final["eval/loss"] - final["eval/loss_before"], 0.0,
+                 higher=False, strict=True)
+    check_margin(record_property, "eval/margin gain", final["eval/margin"] - final["eval/margin_before"], 0.0,
+                 strict=True)
+    assert "eval/accuracy" in final
+    assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor"}
+    before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# --------------------------------------------------------------------------------------- KTO
+def test_kto_rows_are_the_pairs_split_into_unpaired_rows_with_a_mismatched_partner():
+    from rlhf.runners.preference import unpaired_rows
+
+    pairs = [{"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(5)]
+    desirable, undesirable = unpaired_rows(pairs, seed=1)
+    assert sorted(r["chosen"] for r in desirable) == [f"good {i}" for i in range(5)]
+    assert sorted(r["chosen"] for r in undesirable) == [f"bad {i}" for i in range(5)]
+    for row in desirable + undesirable:  # the partner answers another prompt
+        assert row["rejected"].split()[1] != row["prompt"][1:]
+
+
+@pytest.mark.trajectory
+def test_kto_learns_the_preferences_from_unpaired_rows(tmp_path, record_property, sft_model):
+    """KTO trains on the pairs split into unpaired rows against the frozen reference: at the start every
+    reward and the reference point are 0 (loss 0.5, every row a tie); then the desirable answers' rewards
+    rise above the undesirable ones' and the loss falls; the output is a plain causal LM that changed."""
+    final = run(compose(["step=kto", "step.max_steps=40", "step.eval_every_steps=0", "step.eval_accuracy_prompts=32",
+                         "optim.lr=1e-3", "step.log_every_steps=5", *QUIET, f"actor.path={sft_model}",
+                         *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    assert final["eval/loss_before"] == pytest.approx(0.5, abs=1e-4)
+    assert final["eval/pref_acc_before"] == 0.5
+    check_margin(record_property, "eval/loss after-before", final["eval/loss"] - final["eval/loss_before"], 0.0,
+                 higher=False, strict=True)
+    check_margin(record_property, "eval/margin", final["eval/margin"], 0.0, strict=True)
+    assert "eval/accuracy" in final
+    assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor", "reference"}
+    before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ------------------------------------------------------------------- every method added as a spec
+# KTO makes two unpaired rows of each pair: half the pairs give the same number of rows.
+@pytest.mark.parametrize("step,pairs", [("orpo", 320), ("kto", 160)])
+def test_a_preference_method_resumes_exactly_after_sigkill(tmp_path, sft_model, step, pairs):
+    args = [f"step={step}", f"actor.path={sft_model}", "step.max_steps=16", f"data.max_train_samples={pairs}",
+            "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",
+            "step.eval_accuracy_prompts=0"]
+    _straight(args, tmp_path / "a")
+    _kill_after(args, tmp_path / "b", "loss", 6)
+    _straight(args, tmp_path / "b")
+    same_run(tmp_path / "a", tmp_path / "b", "loss")
+
+
+@pytest.mark.parametrize("step", ["orpo", "kto"])
+def test_sft_then_a_preference_method_chain(tmp_path, step):
+    overrides = [f"pipeline={step}", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
+                 f"pipeline.{step}.step.max_steps=5", f"pipeline.{step}.step.eval_accuracy_prompts=16"]
+    run(compose(overrides), overrides=overrides)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert list(manifest["steps"]) == ["sft", step]
+    assert f"actor.path={tmp_path / 'sft' / 'model'}" in manifest["steps"][step]["overrides"]
+    assert (tmp_path / step / "model" / "config.json").exists()
+
+
 @pytest.mark.parametrize("step", ["dpo", "simpo", "ppo"])
 def test_disable_dropout_reaches_the_lora_adapters(tmp_path, step):
     """lora.dropout=0.5 on a policy its step trains without dropout (DPO / SimPO's step.disable_dropout,

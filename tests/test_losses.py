@@ -413,6 +413,48 @@ def test_simpo_by_hand():
     assert losses.simpo(t([-2.0]), t([-20.0]), t([2.0]), t([20.0]), 2.0, 0.0)[0].item() == pytest.approx(math.log(2))
 
 
+def test_orpo_by_hand():
+    """Chosen: log-prob 2 log 0.5 over 2 tokens, p = 0.5, odds 1 (log odds 0); rejected: 3 log 0.2 over 3
+    tokens, p = 0.2, odds 0.25. Log odds ratio log 4: -log sigmoid(log 4) = log(1 + 1/4) = log 1.25.
+    With lambda 0.1: the chosen NLL per token log 2 + 0.1 log 1.25 = 0.715461; rewards 0.1 log p."""
+    loss, chosen, rejected = losses.orpo(t([2 * math.log(0.5)]), t([3 * math.log(0.2)]), t([2.0]), t([3.0]), lam=0.1)
+    assert loss.item() == pytest.approx(math.log(2) + 0.1 * math.log(1.25), abs=1e-6)
+    assert loss.item() == pytest.approx(0.715461, abs=1e-6)
+    assert chosen.item() == pytest.approx(0.1 * math.log(0.5)) and rejected.item() == pytest.approx(0.1 * math.log(0.2))
+    # lambda 0: SFT's loss alone; equal per-token probabilities: the odds term is log 2.
+    assert losses.orpo(t([-2.0]), t([-4.0]), t([2.0]), t([2.0]), 0.0)[0].item() == pytest.approx(1.0)
+    same = losses.orpo(t([-2.0]), t([-4.0]), t([2.0]), t([4.0]), 1.0)[0].item()
+    assert same == pytest.approx(1.0 + math.log(2), abs=1e-6)
+    # Near p = 1 the log odds stay finite (p capped just below 1), and the gradient too.
+    x = t([-1e-9, -0.5, -3.0]).requires_grad_()
+    assert torch.isfinite(losses.log_odds(x)).all()
+    assert losses.log_odds(x)[2].item() == pytest.approx(math.log(math.exp(-3) / (1 - math.exp(-3))), abs=1e-6)
+    losses.log_odds(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_kto_by_hand():
+    """Mismatched log-ratios 0.5 and 1.5: z0 = 1. Desirable r = 2, beta 1: 1 - sigmoid(1) = 0.268941;
+    undesirable r = -1: 1 - sigmoid(1 - (-1)) = 1 - sigmoid(2) = 0.119203. Weights scale each kind."""
+    z0 = losses.kto_reference_point(t([0.5, 1.5]))
+    assert z0.item() == pytest.approx(1.0)
+    per_row = losses.kto(t([2.0, -1.0]), t([1.0, 0.0]), z0, 1.0, 1.0, 1.0)
+    assert per_row.tolist() == pytest.approx([0.268941, 0.119203], abs=1e-6)
+    assert losses.kto(t([2.0, -1.0]), t([1.0, 0.0]), z0, 1.0, 2.0, 0.5).tolist() == \
+        pytest.approx([2 * 0.268941, 0.5 * 0.119203], abs=1e-6)
+    # A negative KL estimate is clamped to 0, and z0 carries no gradient (it is not trained).
+    assert losses.kto_reference_point(t([-2.0, 1.0])).item() == 0.0
+    mismatched = t([0.5, 1.5]).requires_grad_()
+    assert not losses.kto_reference_point(mismatched).requires_grad
+    # At the start policy = reference: every r and z0 are 0, each row's loss 1 - sigmoid(0) = 0.5, ties.
+    batch = losses.PreferenceBatch(t([-3.0, -4.0, -5.0, -6.0]), t([2, 2, 2, 2]), t([-3.0, -4.0, -5.0, -6.0]),
+                                   t([1.0, 0.0]))
+    step = type("Step", (), {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0})
+    r = losses.kto_step(batch, step)
+    assert r.loss.item() == pytest.approx(0.5) and r.right.tolist() == [0.5, 0.5]
+    assert r.chosen.tolist() == [0.0] and r.rejected.tolist() == [0.0]
+
+
 def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])

@@ -62,7 +62,7 @@ def test_prompt_and_answer_rows_serve_sft_and_ppo_and_the_pairwise_steps_refuse_
     train, evals = load_step_data(cfg, "sft", DataReport())
     assert train[0]["chosen"].strip().isdigit() and not any(train["rejected"])
     assert len(load_step_data(cfg, "ppo", DataReport())[0]) > 0
-    for step in ("reward", "dpo", "simpo"):
+    for step in ("reward", "dpo", "simpo", "kto"):
         with pytest.raises(DataError, match=rf"data.sources\[0\] \({data}\) has no rejected answers "
                                             rf"\(prompt-and-answer rows\): step {step} learns from preference pairs"):
             load_step_data(cfg, step, DataReport())

@@ -6,6 +6,7 @@ checks that need more than one group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,64 +27,13 @@ from rlhf.config.groups import (
     ZeroConfig,
     looks_local,
 )
-from rlhf.config.steps import (
-    STEP_SCHEMAS,
-    STEPS,
-    DPOStepConfig,
-    PPOStepConfig,
-    RewardStepConfig,
-    Role,
-    SFTStepConfig,
-    SimPOStepConfig,
-)
+from rlhf.config.steps import STEP_SCHEMAS, STEPS, Role
 from rlhf.errors import ConfigError
 
 
 # ------------------------------------------------------------------------------------ chains
-def _delta_of(cls: type, name: str) -> type:
-    """A dataclass shaped like ``cls`` whose every leaf is optional and None: a typed delta.
-
-    A chain's per-step deltas are of this type, so `pipeline.ppo.step.epochs=1` on the command line
-    is checked (an unknown key or a wrong type fails while composing) and needs no `+`, and an
-    unset key stays None and changes nothing."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    fields_ = []
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            sub = _delta_of(kind, f"{name}_{f.name}")
-            fields_.append((f.name, sub, field(default_factory=sub)))
-        else:
-            fields_.append((f.name, typing.Optional[kind], None))  # noqa: UP045 - a runtime type, not an annotation
-    return dataclasses.make_dataclass(name, fields_)
-
-
-def _step_delta(step_schema: type) -> type:
-    """Delta of everything a step of a chain may set differently from the others."""
-    import dataclasses
-
-    sections = {"model": ModelConfig, "zero": ZeroConfig, "step": step_schema, "data": DataConfig,
-                "optim": OptimConfig, "lora": LoraConfig, "actor": RoleConfig, "critic": RoleConfig,
-                "reward": RoleConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
-    name = f"{step_schema.__name__}Delta"
-    deltas = {k: _delta_of(v, f"{name}_{k}") for k, v in sections.items()}
-    fields_ = [(k, d, field(default_factory=d)) for k, d in deltas.items()]
-    fields_.append(("seed", int | None, None))
-    return dataclasses.make_dataclass(name, fields_)
-
-
-SFTDelta = _step_delta(SFTStepConfig)
-RewardDelta = _step_delta(RewardStepConfig)
-PPODelta = _step_delta(PPOStepConfig)
-DPODelta = _step_delta(DPOStepConfig)
-SimPODelta = _step_delta(SimPOStepConfig)
-
-
 @dataclass
-class PipelineConfig:
+class _PipelineSettings:
     # Steps run in order, each step's output feeding the next; empty: run the one step in `step`.
     steps: list[str] = field(default_factory=list)
     # Start the reward model from the SFT output (InstructGPT's choice) instead of the model group
@@ -111,12 +61,6 @@ class PipelineConfig:
     # Per step, the files of conf/stage/ composed over that step's config, in order (each a
     # `# @package _global_` delta: shared constants first, then what depends on size and hardware).
     stages: dict[str, list[str]] = field(default_factory=dict)
-    # Per-step deltas applied last, for one step only: `pipeline.ppo.step.epochs=1` on the command line.
-    sft: SFTDelta = field(default_factory=SFTDelta)
-    reward: RewardDelta = field(default_factory=RewardDelta)
-    ppo: PPODelta = field(default_factory=PPODelta)
-    dpo: DPODelta = field(default_factory=DPODelta)
-    simpo: SimPODelta = field(default_factory=SimPODelta)
 
     def __post_init__(self) -> None:
         _choice("pipeline.on_weak_step", self.on_weak_step, ("stop", "warn"))
@@ -129,6 +73,13 @@ class PipelineConfig:
             for f in files:
                 if not (PROJECT_ROOT / "conf" / "stage" / f"{f}.yaml").exists():
                     raise ConfigError(f"pipeline.stages.{name}: conf/stage/{f}.yaml does not exist")
+
+
+# The chain's settings and, per step of STEPS, its delta applied last, for that step only:
+# `pipeline.ppo.step.epochs=1` on the command line.
+PipelineConfig = dataclasses.make_dataclass(
+    "PipelineConfig", [(name, spec.delta, field(default_factory=spec.delta)) for name, spec in STEPS.items()],
+    bases=(_PipelineSettings,))
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -183,15 +134,7 @@ class Config:
         if random and self.step.max_seq_len > self.model.max_positions:
             raise ConfigError(f"step.max_seq_len={self.step.max_seq_len} exceeds model.max_positions="
                               f"{self.model.max_positions}")
-        if self.step.name == "ppo" and self.step.old_logprobs == "auto":
-            # Derived from the precision: in 16 bits the decode's cached forwards and the full forwards that
-            # score the new and reference log-probs round apart, so the old ones must come from a full one too.
-            self.step.old_logprobs = "rollout" if self.hardware.precision == "fp32" else "recompute"
-        if self.step.name == "ppo" and random and \
-                self.step.max_prompt_len + self.step.max_new_tokens > self.model.max_positions:
-            raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = "
-                              f"{self.step.max_prompt_len + self.step.max_new_tokens} exceeds model.max_positions="
-                              f"{self.model.max_positions}")
+        self.step.check_run(self)
 
 
 def ppo_updates_per_step(cfg: Config) -> int:
@@ -222,14 +165,6 @@ def load_model_file(name: str) -> ModelConfig:
 
 
 def step_roles(cfg: Config) -> list[Role]:
-    """The models this run of the step really builds: PPO without a reward-model weight builds no reward
-    model, and with a critic-free advantage estimator no critic."""
-    roles = list(STEPS[cfg.step.name].roles)
-    if cfg.step.name == "ppo":
-        from rlhf.losses import ESTIMATORS
-
-        if cfg.step.reward_model_weight == 0:
-            roles = [r for r in roles if r.name != "reward"]
-        if not ESTIMATORS[cfg.step.advantage_estimator].needs_critic:
-            roles = [r for r in roles if r.name != "critic"]
-    return roles
+    """The models this run of the step really builds (its spec's, less those its settings leave out:
+    PPO without a reward-model weight builds no reward model, with a critic-free estimator no critic)."""
+    return [r for r in STEPS[cfg.step.name].roles if cfg.step.builds(r.name)]

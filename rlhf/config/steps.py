@@ -1,16 +1,32 @@
-"""The steps' schemas and the step registry (STEPS: schema, title, split part, rows, roles): adding a
-step is one schema here, one STEPS entry and one runner in rlhf.runners.RUNNERS.
+"""The steps' schemas and the step registry STEPS: one StepSpec per step owns everything keyed by a
+step's name (schema and chain delta, runner kind, rows, roles, sweep objective, summary figures,
+chain inputs, readiness checks, preference loss). Nothing outside this module branches on a step's
+name: adding a preference method is its loss in rlhf.losses.PREFERENCE_LOSSES, one schema and
+STEPS entry here, and one conf/step/<name>.yaml.
 
     python -c "from rlhf.config import STEPS"   # used through rlhf.config; no command of its own
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
 from rlhf.config.checks import _choice, _positive
+from rlhf.config.groups import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    RoleConfig,
+    ZeroConfig,
+)
 from rlhf.errors import ConfigError
 
 
@@ -54,6 +70,14 @@ class StepConfig:
             raise ConfigError(f"step.max_steps={self.max_steps} must be -1 (all epochs) or positive")
         if self.global_batch_size is not None:
             _positive("step.global_batch_size", self.global_batch_size)
+
+    def check_run(self, cfg) -> None:
+        """Checks and derived values that need the rest of the run (cfg: an rlhf.config.Config whose
+        batch arithmetic is done); raises ConfigError."""
+
+    def builds(self, role: str) -> bool:
+        """Whether this run of the step builds ``role`` of its spec (a setting can leave one out)."""
+        return True
 
 
 @dataclass
@@ -142,7 +166,32 @@ class RewardStepConfig(StepConfig):
 
 
 @dataclass
-class DPOStepConfig(GreedyEvalStepConfig):
+class PreferenceStepConfig(GreedyEvalStepConfig):
+    """A preference method's step (rlhf.runners.preference): the policy learns from the reward part's pairs."""
+
+    # Train the policy without dropout, as the reference is scored: with dropout on, the policy's
+    # log-ratios are noisy and biased and the margin is not 0 at the start. false keeps model.dropout
+    # (the checkpoint's own where that is null) in the policy.
+    disable_dropout: bool = True
+
+
+@dataclass
+class ReferenceStepConfig(PreferenceStepConfig):
+    """A preference method with a frozen reference model (the SFT start)."""
+
+    # The reference's log-probs: precompute (one pass before training, then the reference model is
+    # freed: no second model during training) or online (the reference scores every batch).
+    reference_logprobs: str = "precompute"
+    # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
+    offload_reference: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
+
+
+@dataclass
+class DPOStepConfig(ReferenceStepConfig):
     name: str = "dpo"
     # Loss from rlhf.losses.DPO_LOSSES: sigmoid (DPO; the conservative variant with label_smoothing > 0),
     # ipo, or robust (needs label_smoothing > 0).
@@ -154,22 +203,12 @@ class DPOStepConfig(GreedyEvalStepConfig):
     # Weight of the chosen answers' NLL added to the loss (RPO); 0: off. DPO alone lowers the chosen
     # answers' likelihood too (only the margin is pushed) and greedy answers can get worse.
     nll_coef: float = 0.0
-    # The reference's log-probs: precompute (one pass before training, then the reference model is
-    # freed: no second model during training) or online (the reference scores every batch).
-    reference_logprobs: str = "precompute"
-    # Keep the frozen reference's parameters in host memory (ZeRO-3 offload).
-    offload_reference: bool = False
-    # Train the policy without dropout, as the reference is scored: with dropout on, the policy's
-    # log-ratios are noisy and biased and the margin is not 0 at the start. false keeps model.dropout
-    # (the checkpoint's own where that is null) in the policy.
-    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         from rlhf.losses import DPO_LOSSES
 
         _choice("step.loss", self.loss, tuple(DPO_LOSSES))
-        _choice("step.reference_logprobs", self.reference_logprobs, ("precompute", "online"))
         _positive("step.beta", self.beta)
         _positive("step.nll_coef", self.nll_coef, allow_zero=True)
         if not 0 <= self.label_smoothing < 0.5:
@@ -180,19 +219,45 @@ class DPOStepConfig(GreedyEvalStepConfig):
 
 
 @dataclass
-class SimPOStepConfig(GreedyEvalStepConfig):
+class SimPOStepConfig(PreferenceStepConfig):
     name: str = "simpo"
     # Scale of the implicit reward beta / |y| * log pi(y|x) (Meng et al. 2024 use 2.0-2.5).
     beta: float = 2.0
     # Target margin between the chosen and rejected rewards (the paper's gamma, 0.5-1.5).
     gamma: float = 1.0
-    # Train without dropout (noisy log-probs bias the margin); false keeps model.dropout.
-    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("step.beta", self.beta)
         _positive("step.gamma", self.gamma, allow_zero=True)
+
+
+@dataclass
+class ORPOStepConfig(PreferenceStepConfig):
+    name: str = "orpo"
+    # Weight of the odds-ratio term beside the chosen answers' NLL (the paper's lambda, 0.1-0.25).
+    lam: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("step.lam", self.lam, allow_zero=True)
+
+
+@dataclass
+class KTOStepConfig(ReferenceStepConfig):
+    name: str = "kto"
+    # Scale of the reward beta * log(pi / ref) in the loss (the paper's beta). Higher stays closer.
+    beta: float = 0.1
+    # Weight of the desirable rows' loss (lambda_D).
+    desirable_weight: float = 1.0
+    # Weight of the undesirable rows' loss (lambda_U); the paper keeps lambda_D x desirable rows /
+    # (lambda_U x undesirable rows) in [1, 4/3].
+    undesirable_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("beta", "desirable_weight", "undesirable_weight"):
+            _positive(f"step.{key}", getattr(self, key))
 
 
 @dataclass
@@ -391,6 +456,26 @@ class PPOStepConfig(StepConfig):
         if self.ema_decay >= 1.0:
             raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
 
+    def check_run(self, cfg) -> None:
+        if self.old_logprobs == "auto":
+            # Derived from the precision: in 16 bits the decode's cached forwards and the full forwards that
+            # score the new and reference log-probs round apart, so the old ones must come from a full one too.
+            self.old_logprobs = "rollout" if cfg.hardware.precision == "fp32" else "recompute"
+        if cfg.model.random_init and cfg.model.max_positions is not None and \
+                self.max_prompt_len + self.max_new_tokens > cfg.model.max_positions:
+            raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = {self.max_prompt_len + self.max_new_tokens} "
+                              f"exceeds model.max_positions={cfg.model.max_positions}")
+
+    def builds(self, role: str) -> bool:
+        """No reward model without a reward-model weight, no critic with a critic-free advantage estimator."""
+        from rlhf.losses import ESTIMATORS
+
+        if role == "reward":
+            return self.reward_model_weight != 0
+        if role == "critic":
+            return ESTIMATORS[self.advantage_estimator].needs_critic
+        return True
+
 
 @dataclass(frozen=True)
 class Role:
@@ -400,28 +485,140 @@ class Role:
     lm_head: bool
 
 
+# ------------------------------------------------------------------------------- chain deltas
+def _delta_of(cls: type, name: str) -> type:
+    """A dataclass shaped like ``cls`` whose every leaf is optional and None: a typed delta.
+
+    A chain's per-step deltas are of this type, so `pipeline.ppo.step.epochs=1` on the command line
+    is checked (an unknown key or a wrong type fails while composing) and needs no `+`, and an
+    unset key stays None and changes nothing."""
+    hints = typing.get_type_hints(cls)
+    fields_ = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            sub = _delta_of(kind, f"{name}_{f.name}")
+            fields_.append((f.name, sub, field(default_factory=sub)))
+        else:
+            fields_.append((f.name, typing.Optional[kind], None))  # noqa: UP045 - a runtime type, not an annotation
+    return dataclasses.make_dataclass(name, fields_)
+
+
+@functools.cache
+def step_delta(step_schema: type) -> type:
+    """Delta of everything a step of a chain may set differently from the others."""
+    sections = {"model": ModelConfig, "zero": ZeroConfig, "step": step_schema, "data": DataConfig,
+                "optim": OptimConfig, "lora": LoraConfig, "actor": RoleConfig, "critic": RoleConfig,
+                "reward": RoleConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+    name = f"{step_schema.__name__}Delta"
+    deltas = {k: _delta_of(v, f"{name}_{k}") for k, v in sections.items()}
+    fields_ = [(k, d, field(default_factory=d)) for k, d in deltas.items()]
+    fields_.append(("seed", int | None, None))
+    return dataclasses.make_dataclass(name, fields_)
+
+
+# ------------------------------------------------------------------------------------ registry
 @dataclass(frozen=True)
 class StepSpec:
-    """Everything keyed by step name, in one place: the schema, the title in chain logs, the part of
-    DeepSpeed-Chat's data split it trains on, what one row is, and the models it builds."""
+    """Everything keyed by a step's name, in one place."""
 
+    # The step's typed schema (its chain delta, step_delta(schema), follows from it).
     schema: type[StepConfig]
+    # The step's name in chain logs and the summary.
     title: str
+    # The part of DeepSpeed-Chat's data split it trains on (0 SFT, 1 reward, 2 PPO).
     split_index: int
+    # What one training row is: sequences, pairs, unpaired (each pair's two answers as labelled
+    # rows) or rollouts (generated while training).
     rows: str
+    # The models it builds (rlhf.config.step_roles narrows them by the run's settings).
     roles: tuple[Role, ...]
+    # Which runner trains it: a key of rlhf.runners.KINDS.
+    runner: str
+    # The final figure its sweeps rank by, and whether higher or lower is better.
+    objective: tuple[str, str]
+    # The chain summary's figures: (final-metrics key, label, shown as a percentage).
+    summary: tuple[tuple[str, str, bool], ...] = ()
+    # Keys that change how the objective is measured: sweep jobs differing in one are not ranked together.
+    measured_with: tuple[str, ...] = ()
+    # In a chain, overrides taken from earlier steps' outputs: (key, step whose output folder it is,
+    # the pipeline flag that must be true for it or None). A model.path so set is a trained model.
+    chain_inputs: tuple[tuple[str, str, str | None], ...] = ()
+    # In a chain, rlhf.readiness.weak_step's floors that apply to it: reward_accuracy (the reward
+    # model's held-out accuracy, pipeline.reward_min_accuracy), policy_accuracy (the SFT policy's,
+    # pipeline.min_policy_accuracy, judged as soon as SFT's figures exist).
+    checks: tuple[str, ...] = ()
+    # Preference steps (runner "preference"): the loss, a key of rlhf.losses.PREFERENCE_LOSSES.
+    loss: str | None = None
 
+    @property
+    def delta(self) -> type:
+        return step_delta(self.schema)
+
+    @property
+    def seqs_per_row(self) -> int:
+        """Sequences one training row puts in a micro batch: a pair's two answers; an unpaired row's
+        answer and the mismatched answer its reference point is estimated from."""
+        return 2 if self.rows in ("pairs", "unpaired") else 1
+
+    @property
+    def rows_per_source_row(self) -> int:
+        """Training rows that one row of the data's part makes: an unpaired step's pair makes two."""
+        return 2 if self.rows == "unpaired" else 1
+
+    @property
+    def generates(self) -> bool:
+        """Whether it trains on answers it generates (rollouts): decode memory, rollout forecasts."""
+        return self.rows == "rollouts"
+
+    def has_role(self, name: str) -> bool:
+        return any(role.name == name for role in self.roles)
+
+    @property
+    def policy(self) -> Role:
+        """The trainable model it outputs: the one with a language-model head, else the first trainable."""
+        trainable = [r for r in self.roles if r.trainable]
+        return next((r for r in trainable if r.lm_head), trainable[0])
+
+
+_PREF_SUMMARY = (("eval/pref_acc", "held-out preference accuracy", True),
+                 ("eval/accuracy", "held-out accuracy by the rule", True))
+_POLICY = Role("actor", True, True)
+_REFERENCE = Role("reference", False, True)
+# A policy step starts from the chain's SFT output.
+_FROM_SFT = (("actor.path", "sft", None),)
 
 STEPS: dict[str, StepSpec] = {
-    "sft": StepSpec(SFTStepConfig, "Step 1 (SFT)", 0, "sequences", (Role("model", True, True),)),
-    "reward": StepSpec(RewardStepConfig, "Step 2 (reward model)", 1, "pairs", (Role("reward", True, False),)),
+    "sft": StepSpec(SFTStepConfig, "Step 1 (SFT)", 0, "sequences", (Role("model", True, True),), "sft",
+                    ("eval/ppl", "min"),
+                    (("eval/accuracy", "held-out accuracy by the rule", True), ("eval/loss", "held-out loss", False)),
+                    # SFT's perplexity is over the answer tokens or over every token.
+                    measured_with=("step.loss_on",)),
+    "reward": StepSpec(RewardStepConfig, "Step 2 (reward model)", 1, "pairs", (Role("reward", True, False),),
+                       "reward", ("eval/acc", "max"), (("eval/acc", "held-out pairwise accuracy", True),),
+                       # From the SFT output with pipeline.reward_from_sft (InstructGPT's choice); the policy
+                       # whose answers make step.policy_pairs_prompts' pairs is the SFT output.
+                       chain_inputs=(("model.path", "sft", "reward_from_sft"), ("step.policy_path", "sft", None))),
     # DeepSpeed-Chat's DPO alternative to steps 2-3: the policy learns from the reward part's pairs.
-    "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs",
-                    (Role("actor", True, True), Role("reference", False, True))),
+    "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs", (_POLICY, _REFERENCE), "preference",
+                    ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="dpo"),
     # SimPO: reference-free, the policy alone learns from the reward part's pairs.
-    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (Role("actor", True, True),)),
+    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (_POLICY,), "preference",
+                      ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="simpo"),
+    # ORPO: SFT's loss on the chosen answers plus an odds-ratio term against the rejected ones; no reference.
+    "orpo": StepSpec(ORPOStepConfig, "Step 2-3 (ORPO)", 1, "pairs", (_POLICY,), "preference",
+                     ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="orpo"),
+    # KTO: unpaired rows (each pair's chosen answer desirable, its rejected one undesirable) judged
+    # against a reference point, the policy's KL to the frozen reference.
+    "kto": StepSpec(KTOStepConfig, "Step 2-3 (KTO)", 1, "unpaired", (_POLICY, _REFERENCE), "preference",
+                    ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="kto"),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
-                    (Role("actor", True, True), Role("reference", False, True), Role("critic", True, False),
-                     Role("reward", False, False))),
+                    (_POLICY, _REFERENCE, Role("critic", True, False), Role("reward", False, False)), "ppo",
+                    ("eval/accuracy", "max"),
+                    (("eval/accuracy", "held-out accuracy by the rule", True),
+                     ("eval/rm_score", "reward-model score", False),
+                     ("select/policy_rm_auc_before", "reward model's AUC on the start policy's samples", False)),
+                    chain_inputs=(*_FROM_SFT, ("critic.path", "reward", None)),
+                    checks=("reward_accuracy", "policy_accuracy")),
 }
 STEP_SCHEMAS: dict[str, type[StepConfig]] = {name: spec.schema for name, spec in STEPS.items()}

@@ -273,7 +273,7 @@ def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=Non
     trains, evals = [], []
     for i, src in enumerate(cfg.sources):
         full = load_source(src, src.train_split, i, tokenizer, cfg.on_bad_row, report)
-        if STEPS[step].rows == "pairs" and not any(full["rejected"]):
+        if STEPS[step].seqs_per_row == 2 and not any(full["rejected"]):  # pairs, or unpaired rows made of them
             raise DataError(f"data.sources[{i}] ({src.path}) has no rejected answers (prompt-and-answer rows): "
                             f"step {step} learns from preference pairs. Give it a source with chosen and rejected "
                             "answers, or train on these rows with SFT and PPO/GRPO against a rule (pipeline=rlvr)")

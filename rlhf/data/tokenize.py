@@ -170,7 +170,8 @@ class PairCollator:
         if self.answer_mask:
             starts = torch.tensor([b["prompt_len"] for b in batch] * 2).unsqueeze(1)
             out["answer_mask"] = mask * (torch.arange(width).unsqueeze(0) >= starts)
-        for key in ("ref_chosen", "ref_rejected"):  # precomputed reference log-probs, where present
+        # Precomputed reference log-probs, and unpaired rows' labels, where present.
+        for key in ("ref_chosen", "ref_rejected", "desirable"):
             if key in batch[0]:
                 out[key] = torch.tensor([b[key] for b in batch], dtype=torch.float32)
         return out

@@ -1,11 +1,8 @@
-"""Registry of step runners: ``step.name`` -> ``run(cfg) -> final metrics``."""
+"""Registry of step runners: ``step.name`` -> ``run(cfg) -> final metrics``, through each step's spec
+(rlhf.config.STEPS[name].runner names its kind: every preference method shares one runner)."""
 
-from rlhf.runners import dpo, ppo, reward, sft, simpo
+from rlhf.config import STEPS
+from rlhf.runners import ppo, preference, reward, sft
 
-RUNNERS = {
-    "sft": sft.run,
-    "reward": reward.run,
-    "ppo": ppo.run,
-    "dpo": dpo.run,
-    "simpo": simpo.run,
-}
+KINDS = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run, "preference": preference.run}
+RUNNERS = {name: KINDS[spec.runner] for name, spec in STEPS.items()}

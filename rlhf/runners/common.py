@@ -33,6 +33,24 @@ def eval_loader(ds, cfg: Config, rank: int, world: int, collate) -> DataLoader:
                       sampler=DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
 
 
+def mean_eval(engine, loader, names: tuple[str, ...], figures) -> dict[str, float]:
+    """``eval/<name>``: the mean over every held-out row of all ranks of each figure that
+    ``figures(batch)`` gives per row (a tuple of tensors in the order of ``names``; each its own count)."""
+    import torch
+    import torch.distributed as dist
+
+    engine.eval()
+    sums = torch.zeros(2, len(names), dtype=torch.float64, device=engine.device)  # sums, counts
+    with torch.no_grad():
+        for batch in loader:
+            values = figures({k: v.to(engine.device) for k, v in batch.items()})
+            sums += torch.stack([torch.stack([v.double().sum() for v in values]),
+                                 torch.tensor([float(len(v)) for v in values], dtype=torch.float64, device=sums.device)])
+    dist.all_reduce(sums)
+    engine.train()
+    return {f"eval/{name}": (sums[0, i] / sums[1, i].clamp(min=1)).item() for i, name in enumerate(names)}
+
+
 def model_and_tokenizer(cfg: Config) -> tuple[str, object]:
     """The model group's path for from_pretrained (a random model is built on first use) and its tokenizer."""
     from rlhf import models

@@ -52,21 +52,14 @@ def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch
     return losses.pairwise_loss_divergence(values[:half], values[half:], span), chosen, rejected
 
 
-@torch.no_grad()
 def evaluate(engine, loader, score_at: str) -> dict[str, float]:
-    engine.eval()
-    sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # pairs, correct, chosen, rejected, loss
-    for batch in loader:
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
+    """Pairwise accuracy (chosen scored above rejected), mean scores, their margin, and the loss."""
+    def figures(batch: dict) -> tuple:
         loss, chosen, rejected = pair_scores(engine, batch, score_at)
-        sums += torch.stack([torch.tensor(float(len(chosen)), device=sums.device), (chosen > rejected).sum().double(),
-                             chosen.sum().double(), rejected.sum().double(), loss.double() * len(chosen)])
-    dist.all_reduce(sums)
-    engine.train()
-    n = sums[0].clamp(min=1)
-    return {"eval/acc": (sums[1] / n).item(), "eval/chosen_score": (sums[2] / n).item(),
-            "eval/rejected_score": (sums[3] / n).item(), "eval/margin": ((sums[2] - sums[3]) / n).item(),
-            "eval/loss": (sums[4] / n).item()}
+        return (chosen > rejected).float(), chosen, rejected, loss.expand(len(chosen))
+
+    m = common.mean_eval(engine, loader, ("acc", "chosen_score", "rejected_score", "loss"), figures)
+    return {**m, "eval/margin": m["eval/chosen_score"] - m["eval/rejected_score"]}
 
 
 def shipped_candidates(prompts: list[str], answers_per_prompt: int, seed: int) -> list[tuple[str, list]]:
@@ -222,6 +215,17 @@ def with_policy_pairs(cfg: Config, tokenizer, policy_path: str, train_ds, report
     return train_ds, own
 
 
+def heldout_halves(eval_ds, cfg: Config) -> tuple:
+    """Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
+    reported figure comes from the other (eval/*). One prompt: no split, both read it."""
+    select_rows, report_rows = heldout_split([tuple(ids[:n]) for ids, n in zip(eval_ds["chosen_ids"],
+                                                                                eval_ds["prompt_len"], strict=True)],
+                                             cfg.data.seed)
+    if not select_rows:
+        select_rows = report_rows = list(range(len(eval_ds)))
+    return eval_ds.select(select_rows), eval_ds.select(report_rows)
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
@@ -233,15 +237,7 @@ def run(cfg: Config) -> dict:
     train_ds, own = with_policy_pairs(cfg, tokenizer, step_cfg.policy_path or model_path, train_ds, report)
     collate = PairCollator(tokenizer.pad_token_id)
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
-    # Held-out pairs, split by prompt: patience and the best model read one half (select/*), every
-    # reported figure comes from the other (eval/*). One prompt: no split, both read it.
-    select_rows, report_rows = heldout_split([tuple(ids[:n]) for ids, n in zip(eval_ds["chosen_ids"],
-                                                                                eval_ds["prompt_len"], strict=True)],
-                                             cfg.data.seed)
-    if not select_rows:
-        select_rows = report_rows = list(range(len(eval_ds)))
-    selection = common.eval_loader(eval_ds.select(select_rows), cfg, rank, world, collate)
-    evaluation = common.eval_loader(eval_ds.select(report_rows), cfg, rank, world, collate)
+    selection, evaluation = (common.eval_loader(part, cfg, rank, world, collate) for part in heldout_halves(eval_ds, cfg))
     cands = rule_check_candidates(cfg, eval_prompts, tokenizer)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
 

@@ -48,26 +48,12 @@ def train_answers(train_ds, tokenizer, rows: int = 2000) -> list[str]:
                              skip_special_tokens=True) for ids, labels in zip(part["input_ids"], part["labels"], strict=True)]
 
 
-def run(cfg: Config) -> dict:
-    # ------------------------------------------------------------------------------- setup
-    rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
-    model_path, tokenizer = common.model_and_tokenizer(cfg)
-    if step_cfg.packing:
-        models.check_packed_rows(model_path, cfg.model.trust_remote_code)
-
-    train_ds, eval_ds, eval_prompts, report = common.step_data(
-        cfg, "sft", tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on},
-        lambda rows, split, rep: sft_dataset(rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, rep, split,
-                                             cfg.data.on_bad_row))
-    pad = PadCollator(tokenizer.pad_token_id)
-    loader, sampler = common.train_loader(train_ds, cfg, rank, world, PackCollator() if step_cfg.packing else pad)
-    # Evaluation stays padded under step.packing: it runs without gradients, a small part of the time,
-    # and perplexity() reads the rows from attention_mask.
-    evaluation = common.eval_loader(eval_ds, cfg, rank, world, pad)
-    total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
-    # Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts):
-    # the stop rule reads one half of the held-out prompts (select/accuracy), the reported figure
-    # (eval/accuracy, before training and of the output) comes from the other half.
+def accuracy_check(cfg: Config, eval_prompts: list[str], tokenizer, report, train_ds, rank: int) -> tuple:
+    """Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts):
+    the rule, the select half of the held-out prompts that the stop rule reads (select/accuracy) and
+    the report half the reported figure (eval/accuracy, before training and of the output) comes from;
+    the accuracy stop bar, the best constant answer's accuracy and its figures beside the report."""
+    step_cfg = cfg.step
     select_prompts, report_prompts = [], []
     rule = data_rule(cfg.data, eval_prompts, tokenizer)
     parts = heldout_split(eval_prompts, cfg.data.seed, step_cfg.eval_accuracy_prompts)
@@ -96,7 +82,28 @@ def run(cfg: Config) -> dict:
         common.say(f"[sft] no rule scores these prompts (data.rule), so held-out accuracy cannot be measured: "
               f"step.stop_at_accuracy={step_cfg.stop_at_accuracy} is ignored and SFT runs its full length "
               "(step.epochs / step.max_steps)")
+    return rule, select_prompts, report_prompts, bar, constant, beside_report
 
+
+def run(cfg: Config) -> dict:
+    # ------------------------------------------------------------------------------- setup
+    rank, world, step_cfg = dist.get_rank(), dist.get_world_size(), cfg.step
+    model_path, tokenizer = common.model_and_tokenizer(cfg)
+    if step_cfg.packing:
+        models.check_packed_rows(model_path, cfg.model.trust_remote_code)
+
+    train_ds, eval_ds, eval_prompts, report = common.step_data(
+        cfg, "sft", tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on},
+        lambda rows, split, rep: sft_dataset(rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, rep, split,
+                                             cfg.data.on_bad_row))
+    pad = PadCollator(tokenizer.pad_token_id)
+    loader, sampler = common.train_loader(train_ds, cfg, rank, world, PackCollator() if step_cfg.packing else pad)
+    # Evaluation stays padded under step.packing: it runs without gradients, a small part of the time,
+    # and perplexity() reads the rows from attention_mask.
+    evaluation = common.eval_loader(eval_ds, cfg, rank, world, pad)
+    total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
+    rule, select_prompts, report_prompts, bar, constant, beside_report = accuracy_check(
+        cfg, eval_prompts, tokenizer, report, train_ds, rank)
     gathering = memory.generation_gathering(cfg)  # decided once, as the pre-flight did
 
     def greedy(prompts: list[dict]) -> dict[str, float]:

@@ -1,0 +1,183 @@
+"""Every preference method (DPO, SimPO, ...), an alternative to steps 2-3: setup -> loop -> save.
+
+The policy (from the SFT output, ``actor.path``) learns straight from the reward part's preference
+pairs, with no reward model and no rollouts. What differs between methods is only their loss, named
+by the step's spec (rlhf.config.STEPS[name].loss, a key of rlhf.losses.PREFERENCE_LOSSES), whether
+the spec has a frozen reference, and its rows: pairs, or unpaired (each pair's chosen answer a
+desirable row and its rejected one an undesirable row). A reference's log-probs are computed once
+before training and the reference freed (``step.reference_logprobs=precompute``), or scored on every
+batch (``online``). Logs the implicit rewards of chosen and rejected answers, their margin and the
+preference accuracy; on data a rule knows, greedy held-out accuracy too. Saves a folder that
+``AutoModelForCausalLM.from_pretrained`` loads, like SFT.
+
+    python launch.py step=dpo actor.path=<sft out>/model
+    python launch.py pipeline=simpo                          # SFT -> SimPO
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset, concatenate_datasets
+from torch.utils.data import DistributedSampler
+
+from rlhf import engine as engine_factory
+from rlhf import losses, memory, models, rollout
+from rlhf.config import STEPS, Config
+from rlhf.data.tokenize import PairCollator, pair_dataset
+from rlhf.runners import common, loop
+
+
+def pair_logprobs(engine, batch: dict) -> torch.Tensor:
+    """Summed answer log-probs of every sequence of a PairCollator batch (the rows' answers, then their partners)."""
+    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return losses.sequence_logprob(logits, batch["input_ids"], batch["answer_mask"])
+
+
+def scored(engine, ref, batch: dict, step_cfg) -> tuple[losses.PreferenceResult, torch.Tensor]:
+    """The step's preference loss on one batch from the policy's log-probs, the reference's (precomputed
+    columns, or the reference engine's forward), the answers' lengths and labels; and the policy's log-probs."""
+    ref_logp = None
+    if "ref_chosen" in batch:
+        ref_logp = torch.cat([batch["ref_chosen"], batch["ref_rejected"]])
+    elif ref is not None:
+        with torch.no_grad():
+            ref_logp = pair_logprobs(ref, batch)
+    logp = pair_logprobs(engine, batch)
+    pb = losses.PreferenceBatch(logp, batch["answer_mask"].sum(-1), ref_logp, batch.get("desirable"))
+    return losses.PREFERENCE_LOSSES[STEPS[step_cfg.name].loss](pb, step_cfg), logp
+
+
+@torch.no_grad()
+def precompute_reference(ref, ds, collate, batch_size: int):
+    """ds with the reference's summed log-probs of each row's two answers as columns ref_chosen /
+    ref_rejected. Each rank scores its share; the shares are gathered so that every rank holds all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref.eval()
+    # No shuffle: the share is a fixed slice; padded to equal length (ZeRO-3 ranks must run alike).
+    mine = list(DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
+    found: dict[int, tuple[float, float]] = {}
+    for i in range(0, len(mine), batch_size):
+        idx = mine[i:i + batch_size]
+        batch = {k: v.to(ref.device) for k, v in collate([ds[j] for j in idx]).items()}
+        chosen, rejected = losses.halves(pair_logprobs(ref, batch))
+        found.update(zip(idx, zip(chosen.float().tolist(), rejected.float().tolist(), strict=True), strict=True))
+    shares = [None] * world
+    dist.all_gather_object(shares, found)
+    merged = {k: v for share in shares for k, v in share.items()}
+    return ds.add_column("ref_chosen", [merged[i][0] for i in range(len(ds))]).add_column(
+        "ref_rejected", [merged[i][1] for i in range(len(ds))])
+
+
+def evaluate(engine, ref, loader, step_cfg) -> dict[str, float]:
+    """Loss, preference accuracy, the chosen and rejected answers' rewards and their margin, and the
+    chosen answers' summed log-probs under the policy."""
+    def figures(batch: dict) -> tuple:
+        r, logp = scored(engine, ref, batch, step_cfg)
+        return r.loss.expand(len(r.right)), r.right, r.chosen, r.rejected, losses.halves(logp)[0]
+
+    m = common.mean_eval(engine, loader, ("loss", "pref_acc", "chosen_reward", "rejected_reward", "chosen_logp"),
+                         figures)
+    return {**m, "eval/margin": m["eval/chosen_reward"] - m["eval/rejected_reward"]}
+
+
+def unpaired_rows(rows, seed: int) -> tuple[list[dict], list[dict]]:
+    """Each pair's chosen answer as a desirable row and its rejected answer as an undesirable row, each
+    with a partner: the answer of another row (the next one, in an order shuffled by ``seed``, whose
+    prompt and answer differ), the mismatched answer that a reference point is estimated from."""
+    answers = [(r["prompt"], r[c], c == "chosen") for r in rows for c in ("chosen", "rejected")]
+    order = random.Random(seed).sample(range(len(answers)), len(answers))
+    out: tuple[list[dict], list[dict]] = ([], [])
+    for k, i in enumerate(order):
+        prompt, answer, good = answers[i]
+        for step in range(1, len(order)):
+            other = answers[order[(k + step) % len(order)]]
+            if other[0] != prompt and other[1].strip() != answer.strip():
+                out[0 if good else 1].append({"prompt": prompt, "chosen": answer, "rejected": other[1]})
+                break
+    return out
+
+
+def tokenized(cfg: Config, tokenizer):
+    """The build function of the step's rows for rlhf.runners.common.step_data: pairs, or unpaired
+    rows (pairs of a row's answer and its partner, with a ``desirable`` column)."""
+    max_len, bad = cfg.step.max_seq_len, cfg.data.on_bad_row
+
+    def build(rows, split, rep):
+        if STEPS[cfg.step.name].rows == "pairs":
+            return pair_dataset(rows, tokenizer, max_len, rep, split, bad)
+        parts = [pair_dataset(Dataset.from_list(part), tokenizer, max_len, rep, split, bad)
+                 for part in unpaired_rows(rows, cfg.data.seed)]
+        return concatenate_datasets([ds.add_column("desirable", [float(label)] * len(ds))
+                                     for ds, label in zip(parts, (1, 0), strict=True) if len(ds)])
+    return build
+
+
+def run(cfg: Config) -> dict:
+    # ------------------------------------------------------------------------------- setup
+    rank, world, step_cfg, spec = dist.get_rank(), dist.get_world_size(), cfg.step, STEPS[cfg.step.name]
+    model_path = cfg.actor.path or models.resolve_path(cfg.model)
+    tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
+    train_ds, eval_ds, eval_prompts, report = common.step_data(
+        cfg, step_cfg.name, tokenizer, {"max_seq_len": step_cfg.max_seq_len, "rows": spec.rows}, tokenized(cfg, tokenizer))
+    rule, accuracy_prompts = common.greedy_check(cfg, eval_prompts, tokenizer, report)
+    collate = PairCollator(tokenizer.pad_token_id, answer_mask=True)
+    gathering = memory.generation_gathering(cfg)
+
+    ref = ref_ds = None
+    if spec.has_role("reference"):
+        with engine_factory.loading_context(cfg):
+            ref_model = models.load_causal_lm(model_path, tokenizer, engine_factory.model_dtype(cfg), 0.0,
+                                              cfg.model.trust_remote_code)
+        ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
+        if step_cfg.reference_logprobs == "precompute":
+            # One pass over every row, then the reference is gone: training holds one model.
+            train_ds, eval_ds = (precompute_reference(ref, ds, collate, step_cfg.eval_micro_batch_size_per_device)
+                                 for ds in (train_ds, eval_ds))
+            del ref, ref_model
+            ref = None
+    loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
+    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
+    total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
+
+    # The reference is scored without dropout (eval mode); so is the policy unless step.disable_dropout=false.
+    engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "actor",
+                                                 frozen={"reference": ref_ds} if ref_ds else None,
+                                                 dropout=0.0 if step_cfg.disable_dropout else None)
+    name = step_cfg.name
+    if rank == 0:
+        common.say(f"[{name}] {len(train_ds)} train {spec.rows} rows, {len(eval_ds)} eval rows, {total_steps} optimizer "
+                   f"steps of {step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters"
+                   + (f", reference log-probs {step_cfg.reference_logprobs}" if spec.has_role("reference") else ""))
+    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps,
+                                               ("loss", "pref_acc", "chosen_reward", "rejected_reward"), name)
+
+    def ready(epoch: int) -> bool:
+        """Evaluate; a preference step has no readiness rule: it trains its full length."""
+        metrics = evaluate(engine, ref, evaluation, step_cfg)
+        if accuracy_prompts:
+            metrics.update(rollout.evaluate(engine, None, rule, accuracy_prompts, tokenizer, step_cfg.max_new_tokens,
+                                            step_cfg.eval_micro_batch_size_per_device, gathering))
+        state.last, state.last_eval_step = metrics, state.step
+        logger.log({**metrics, "epoch": epoch}, step=state.step)
+        if rank == 0:
+            common.say(f"[{name}] step {state.step} " + " ".join(f"{k[5:]}={v:.4f}" for k, v in metrics.items()))
+        return False
+
+    def micro_step(batch: dict) -> tuple:
+        r = scored(engine, ref, batch, step_cfg)[0]
+        # A micro batch of unpaired rows can hold no answer of one kind: its mean counts as 0 in the window.
+        return r.loss, {"pref_acc": r.right.mean().item(), "chosen_reward": r.chosen.mean().item()
+                        if len(r.chosen) else 0.0, "rejected_reward": r.rejected.mean().item() if len(r.rejected) else 0.0}
+
+    # -------------------------------------------------------------------------------- loop
+    if not resumed:
+        ready(0)
+        state.first = state.last
+    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, f"{spec.title} loss",
+               derive=lambda m: {"margin": m["chosen_reward"] - m["rejected_reward"]}, postfix=("loss", "pref_acc"))
+
+    # -------------------------------------------------------------------------------- save
+    return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
