@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -29,6 +30,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlhf.config import (
     PROJECT_ROOT,
@@ -417,6 +420,34 @@ def tokenizer_mismatch(a, b) -> str | None:
     return None
 
 
+def _sdpa_fp32_on_cpu(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' SDPA attention, in fp32 where the tensors are half precision on CPU: there
+    PyTorch's half-precision fused attention kernel is several times slower than the fp32 one at the
+    head sizes of small models, most of all its backward (docs/design-notes.md), and the products
+    of half-precision inputs are exact in fp32. The output goes back to the model's dtype, so the
+    rest of the forward is unchanged; on any other device this is transformers' SDPA as it is."""
+    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                          *args, **kwargs)
+    return out.to(query.dtype), weights
+
+
+# Registered under our own name (transformers' registries are keyed by name); never written to a saved
+# config.json, so a saved model loads anywhere with transformers' own default.
+SDPA_FP32_ON_CPU = "rlhf_sdpa_fp32_on_cpu"
+AttentionInterface.register(SDPA_FP32_ON_CPU, _sdpa_fp32_on_cpu)
+AttentionMaskInterface.register(SDPA_FP32_ON_CPU, sdpa_mask)
+
+
+def half_attention_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """A half-precision model that attends through SDPA attends through ``_sdpa_fp32_on_cpu``."""
+    if dtype in (torch.bfloat16, torch.float16) and getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(SDPA_FP32_ON_CPU)
+
+
 def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dropout: float | None = None,
                    trust_remote_code: bool = False) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -426,6 +457,7 @@ def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dro
                 setattr(config, key, dropout)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
+    half_attention_in_fp32(model, dtype)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         # Multiple of 8 keeps the embedding GEMMs on fast tensor-core shapes.
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
@@ -540,6 +572,7 @@ def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, 
                 setattr(config, key, dropout)
     hf_model = sequence_classifier(config).from_pretrained(path, config=config, dtype=dtype,
                                                            trust_remote_code=trust_remote_code)
+    half_attention_in_fp32(hf_model, dtype)
     if len(tokenizer) > hf_model.get_input_embeddings().num_embeddings:
         hf_model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
     hf_model.config.pad_token_id = tokenizer.pad_token_id

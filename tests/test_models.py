@@ -69,3 +69,41 @@ def test_tokenizer_mismatch_names_what_differs():
     assert tokenizer_mismatch(a, load_tokenizer(resolve_path(_tiny("opt")))) is None  # same corpus, same vocab
     other = load_tokenizer(resolve_path(_tiny("opt", vocab_size=640)))
     assert "tokens" in tokenizer_mismatch(a, other)
+
+
+def test_a_half_precision_model_attends_in_fp32_on_cpu_as_close_as_its_own_sdpa_and_saves_no_trace(tmp_path):
+    """On CPU a bf16 model loaded by load_causal_lm / load_reward_model attends through
+    SDPA_FP32_ON_CPU: its logits (valid positions of a left-padded batch) stay as close to the fp32
+    model's as transformers' own bf16 SDPA does, gradients reach every weight, an fp32 model keeps
+    transformers' SDPA, and a saved config.json names no attention implementation of ours."""
+    import json
+
+    from transformers import PreTrainedModel
+
+    from rlhf.models import SDPA_FP32_ON_CPU, load_reward_model
+
+    for family in ("opt", "llama"):
+        path = resolve_path(_tiny(family))
+        tok = load_tokenizer(path)
+        exact = load_causal_lm(path, tok)
+        half = load_causal_lm(path, tok, dtype=torch.bfloat16)
+        theirs = load_causal_lm(path, tok, dtype=torch.bfloat16)
+        theirs.set_attn_implementation("sdpa")
+        assert exact.config._attn_implementation == "sdpa" and half.config._attn_implementation == SDPA_FP32_ON_CPU
+        ids = torch.randint(4, len(tok), (3, 12))
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0
+        valid = mask.bool()
+        want = exact(input_ids=ids, attention_mask=mask).logits[valid]
+        ours = half(input_ids=ids, attention_mask=mask).logits[valid].float()
+        with torch.no_grad():
+            ref = theirs(input_ids=ids, attention_mask=mask).logits[valid].float()
+        assert (ours - want).abs().max() <= 1.5 * (ref - want).abs().max() + 1e-3
+        ours.logsumexp(-1).mean().backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in half.parameters() if p.requires_grad)
+        half.save_pretrained(tmp_path / family)
+        assert SDPA_FP32_ON_CPU not in (tmp_path / family / "config.json").read_text()
+        assert json.loads((tmp_path / family / "config.json").read_text()).get("_attn_implementation") != SDPA_FP32_ON_CPU
+        critic = load_reward_model(path, tok, dtype=torch.bfloat16)
+        assert all(m.config._attn_implementation == SDPA_FP32_ON_CPU for m in critic.modules()
+                   if isinstance(m, PreTrainedModel))
