@@ -29,6 +29,7 @@ from transformers import (
     OPTConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -127,7 +128,13 @@ def _random_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast):
                            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
                            intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
                            attention_dropout=dropout, tie_word_embeddings=False, **ids)
-    raise ValueError(f"model.family={cfg.family!r}: random models are built for opt and llama only")
+    if cfg.family == "qwen2":  # the stand-in for Qwen2.5 presets in CPU tests: biased q/k/v, tied head
+        return Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                           num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+                           intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
+                           attention_dropout=dropout, **ids,
+                           **({} if cfg.tied_embeddings is None else {"tie_word_embeddings": cfg.tied_embeddings}))
+    raise ValueError(f"model.family={cfg.family!r}: random models are built for opt, llama and qwen2 only")
 
 
 # A cache entry is usable only when all of these were written; a marker file written last says so.
@@ -332,8 +339,8 @@ def sizes_from_config(config, source: str) -> ModelSizes:
 
 
 def _fallback_config(cfg: ModelConfig):
-    """A transformers config from a conf/model file's numbers: the random-model builder's for opt and
-    llama, else the family's config class with the common key names (its attribute_map translates)."""
+    """A transformers config from a conf/model file's numbers: the random-model builder's for opt,
+    llama and qwen2, else the family's config class with the common key names (its attribute_map translates)."""
     import types
 
     if cfg.family in RANDOM_FAMILIES:

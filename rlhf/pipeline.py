@@ -226,6 +226,9 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
         entry, metrics = manifest["steps"][name], results.get(name, {})
         took = str(dt.timedelta(seconds=round(entry.get("seconds") or 0)))
         figures = [f for key, label, pct in STEPS[name].summary if (f := _figure(metrics, key, label, pct))]
+        if metrics.get("lr_drops"):  # SFT's loss plateaus short of its accuracy bar (step.plateau_lr_drops)
+            figures.append(f"learning rate lowered {int(metrics['lr_drops'])} time(s) on a loss plateau, to "
+                           f"{metrics['lr_peak']:.3g}")
         rerun = " (earlier run)" if entry.get("skipped_on_rerun") else ""
         guess = (f" (forecast {dt.timedelta(seconds=round(metrics['forecast_s']))})"
                  if "forecast_s" in metrics and not rerun else "")

@@ -8,6 +8,7 @@ in a launch of several ranks, by each step's worker (rlhf.worker).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -37,9 +38,15 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
             rule_fix = (f", or reward PPO with your rule instead ({step.data.rule}): "
                         "pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0"
                         if step.data.rule else "")
+            stopped = str(final("reward").get("stopped_by", ""))
+            # The fix changes what ended the reward step: a cap is raised; a plateau is a model that
+            # has learned what these pairs teach, so only more pairs or the rule can help.
+            longer = ("it stopped learning on these pairs (" + stopped + "): train it on more pairs"
+                      if "early_stop_patience" in stopped else
+                      "Train it longer (" + cap_fix("reward", stopped, chain_dir) + ") or on more pairs")
             return (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
-                    f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. Train it "
-                    f"longer (pipeline.reward.step.epochs=N) or on more pairs{rule_fix}")
+                    f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. "
+                    f"{longer}{rule_fix}")
     after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
     # The policy's accuracy dooms PPO whatever comes between: judged as soon as SFT's figures exist,
     # so that no reward model trains for a PPO that cannot start.
@@ -63,7 +70,7 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
                         f"{pipe.sft_loss_still_falling}"
                         + (f"; held-out accuracy {sft['select/accuracy']:.1%} < {step_stop}"
                            if step_stop < 2 and "select/accuracy" in sft else "")
-                        + "): it was not ready. Train it longer (pipeline.sft.step.epochs=N)")
+                        + "): it was not ready. " + sft_fix(sft, chain_dir))
     return None
 
 
@@ -82,19 +89,56 @@ def sft_fix(sft: dict, chain_dir: Path) -> str:
     """The override that changes what ended an SFT that was not ready: its loss-plateau stop (a plateau
     at near-zero accuracy points to a learning rate too high for the task, docs/design-notes.md), or
     its cap on steps or epochs."""
-    cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml") if (chain_dir / "sft" / "config.yaml").exists() else {}
-    step, lr = cfg.get("step", {}), cfg.get("optim", {}).get("lr")
     stopped = str(sft.get("stopped_by", ""))
     if "early_stop_patience" in stopped:
-        lower = f"pipeline.sft.optim.lr={lr / 3:.1g} " if lr else ""
+        # A start over at the configured rate lowered once (the step's own drops continue a plateaued
+        # model and do not replace it).
+        cfg = _step_config(chain_dir, "sft")
+        lr = cfg.get("optim", {}).get("lr")
+        factor = cfg.get("step", {}).get("plateau_lr_factor", 3)
+        lower = f"pipeline.sft.optim.lr={lr / factor:.2g} " if lr else ""
         return (f"SFT stopped on its loss plateau ({stopped}); the likely cause is a learning rate too high for the "
-                f"task: {lower}pipeline.sft.step.early_stop_patience=0 (a third of the rate, trained until its "
+                f"task: {lower}pipeline.sft.step.early_stop_patience=0 (a lower rate, trained until its "
                 "accuracy bar or its epoch cap)")
+    return "SFT stopped at its cap" + (f" ({stopped})" if stopped else "") + ": train it longer, " + \
+        cap_fix("sft", stopped, chain_dir)
+
+
+def cap_fix(name: str, stopped: str, chain_dir: Path) -> str:
+    """The override that doubles the cap that ended the chain's step ``name`` (``stopped``: its
+    final figures' stopped_by): step.max_steps where that cap stopped it, else step.epochs."""
+    step = _step_config(chain_dir, name).get("step", {})
     if "max_steps" in stopped and step.get("max_steps", -1) > 0:
-        return f"SFT stopped at its cap ({stopped}): train it longer, pipeline.sft.step.max_steps={2 * step['max_steps']}"
-    epochs = step.get("epochs")
-    return ("SFT stopped at its cap" + (f" ({stopped})" if stopped else "")
-            + f": train it longer, pipeline.sft.step.epochs={2 * epochs if epochs else 'N'}")
+        return f"pipeline.{name}.step.max_steps={2 * step['max_steps']}"
+    return f"pipeline.{name}.step.epochs={2 * step.get('epochs', 1)}"
+
+
+def _step_config(chain_dir: Path, name: str):
+    """The chain's step ``name``'s resolved config ({} where it has none)."""
+    f = chain_dir / name / "config.yaml"
+    return OmegaConf.load(f) if f.exists() else {}
+
+
+# A printed fix is a run of overrides of the chain's steps, separated by spaces: the first run in a
+# message is its fix, later runs are alternatives (printed_fixes reads them).
+_FIX_OVERRIDE = re.compile(r"^pipeline\.(sft|reward|ppo|dpo|simpo)\.[\w.]+=[^\s,;()]+")
+
+
+def printed_fixes(message: str) -> list[list[str]]:
+    """The fixes a refusal prints, in its order, each as the overrides to add to the command line:
+    runs of ``pipeline.<step>.<key>=<value>`` words (what a user copies). The chain's floors
+    (``pipeline.<key>=``) and the run-anyway switch are not fixes and are not read."""
+    fixes: list[list[str]] = []
+    run: list[str] = []
+    for word in message.split():
+        match = _FIX_OVERRIDE.match(word.lstrip("("))
+        if match:
+            run.append(match.group(0))
+            continue
+        if run:
+            fixes.append(run)
+            run = []
+    return fixes + ([run] if run else [])
 
 
 def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
@@ -107,18 +151,21 @@ def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
     if acc is None or constant is None or not n or constant < 0.05:  # no answer is often right: nothing to confuse
         return None
     n = int(n)
+    stopped = str(sft.get("stopped_by", ""))
     sft = OmegaConf.load(chain_dir / "sft" / "config.yaml")
     noise = 2 * (2 * constant * (1 - constant) / n) ** 0.5
     if acc - constant > noise:
         return None
+    # Where a cap ended SFT, following the fix must also raise that cap, or the next run stops there again.
+    cap = (" " + cap_fix("sft", stopped, chain_dir)) if "the cap" in stopped else ""
     # A count task's SFT sat at the constant's accuracy at lr 3e-3 for 4,000 steps (also with twice
     # the layers, or 4x the patience); at 1e-3 it passed its bar after 2,355 (59%, constant 41%).
     lr = sft.get("optim", {}).get("lr")
-    lower = f"pipeline.sft.optim.lr={lr / 3:.1g} " if lr else ""
+    lower = f"pipeline.sft.optim.lr={lr / 3:.2g} " if lr else ""
     return (f"SFT's held-out accuracy {acc:.1%} is within the noise ({noise:.1%} over {n} prompts) of always giving "
             f"the best single answer ({constant:.1%}): the model learned which answer is common, not the task, "
             "and RLHF seldom teaches what SFT could not. Try a lower learning rate trained until its accuracy bar "
-            f"or its epoch cap ({lower}pipeline.sft.step.early_stop_patience=0), a larger model, or more or "
+            f"or its epoch cap ({lower}pipeline.sft.step.early_stop_patience=0{cap}), a larger model, or more or "
             "simpler rows")
 
 

@@ -119,6 +119,33 @@ def test_sft_stops_once_its_held_out_loss_stops_improving(tmp_path, record_prope
         to_schema(compose(["step.early_stop_patience=2"]))
 
 
+@pytest.mark.trajectory
+def test_a_plateau_short_of_the_accuracy_bar_lowers_the_learning_rate_before_it_ends_sft(tmp_path, record_property):
+    """A rate far too high flattens the held-out loss at 0% accuracy by the rule, short of the bar:
+    the first plateau divides the rate by step.plateau_lr_factor and SFT goes on (logged); once
+    step.plateau_lr_drops are spent the plateau ends it, saying the rate is the likely cause and the
+    override that starts over at a lower rate, and the final figures carry the rate it ended at."""
+    final = run(compose(["step.max_steps=60", "step.eval_every_steps=5", "step.early_stop_patience=2", "optim.lr=0.1",
+                         "optim.warmup_steps=0", "optim.scheduler=constant", "data.max_eval_samples=64",
+                         "step.eval_accuracy_prompts=16", "step.stop_at_accuracy=0.3", "step.max_new_tokens=4",
+                         "step.plateau_lr_drops=1", "step.plateau_lr_factor=4", "logging.progress_bar=false",
+                         *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    drops = [r for r in rows if set(r) == {"step", "time", "lr_drops", "lr_peak"}]
+    assert [(r["step"], r["lr_drops"], r["lr_peak"]) for r in drops] == [(10, 1.0, 0.025)], drops
+    # The optimizer runs at the lowered rate from the next step on.
+    assert all(r["lr"] == pytest.approx(0.025) for r in rows if "lr" in r and r["step"] > 10)
+    accuracy = [r["select/accuracy"] for r in rows if "select/accuracy" in r]
+    check_margin(record_property, "best select accuracy (bar 0.3)", max(accuracy), 0.3, higher=False, strict=True)
+    assert final["lr_drops"] == 1.0 and final["lr_peak"] == pytest.approx(0.025)
+    assert final["step"] < 60, "the second plateau ends SFT before its cap"
+    assert "short of its bar 30.0% after 1 drops of the rate to 0.025 (step.plateau_lr_drops=1): the likely cause is a " \
+           "learning rate too high for the task: start over at a lower one, optim.lr=0.025 step.early_stop_patience=0" \
+           in final["stopped_by"], final["stopped_by"]
+    with pytest.raises(ConfigError, match="step.plateau_lr_factor=1.0 must be above 1"):
+        to_schema(compose(["step.plateau_lr_factor=1"]))
+
+
 def test_sft_stops_on_one_half_of_the_held_out_prompts_and_reports_the_other(tmp_path):
     """step.stop_at_accuracy reads select/accuracy (the select half); eval/accuracy comes from the other
     half of the prompts, measured before training and on the output only, never during the run: a

@@ -167,8 +167,8 @@ def test_any_family_autoconfig_knows_is_a_valid_model_family():
     with pytest.raises(ConfigError, match="model.family='qwen9' is not a model_type transformers' AutoConfig knows"):
         ModelConfig(name="x", path="org/x", family="qwen9")
     # Random models are built for the families we have builders for.
-    with pytest.raises(ConfigError, match="model.family='qwen2' is not allowed; choose one of opt, llama"):
-        to_schema(compose(["model.family=qwen2"]))
+    with pytest.raises(ConfigError, match="model.family='phi3' is not allowed; choose one of opt, llama, qwen2"):
+        to_schema(compose(["model.family=phi3"]))
 
 
 def test_the_forecast_counts_flops_from_the_folder_s_sizes(tmp_path):

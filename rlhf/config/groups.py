@@ -18,7 +18,7 @@ from rlhf.errors import ConfigError
 # --------------------------------------------------------------------------------------- model
 # Families whose random models we build (rlhf.models._random_config); any other family is a
 # transformers model_type, read from a checkpoint's config.json.
-RANDOM_FAMILIES = ("opt", "llama")
+RANDOM_FAMILIES = ("opt", "llama", "qwen2")
 # The numbers that stand in for config.json where it cannot be read (a dry-run with no hub).
 SIZE_KEYS = ("num_layers", "hidden_size", "num_heads", "ffn_size", "vocab_size", "max_positions")
 # A random model's family and numbers where its file leaves them unset: a LLaMA small enough to train

@@ -109,6 +109,13 @@ class SFTStepConfig(GreedyEvalStepConfig):
     # Stop once the held-out loss has not improved on its best for this many evaluations in a row
     # (it has stopped learning); 0: never.
     early_stop_patience: int = 0
+    # On that plateau while held-out accuracy by the rule is short of step.stop_at_accuracy's bar (a
+    # rate too high for the task, on every untuned task measured), divide the learning rate by
+    # step.plateau_lr_factor and go on, at most this many times, before the plateau ends the step;
+    # 0: the plateau ends it at once.
+    plateau_lr_drops: int = 2
+    # What each such drop divides the learning rate by.
+    plateau_lr_factor: float = 3.0
     # Train on each micro batch's rows packed end to end into one row without padding (position ids
     # restart per row, attention stays within each row): the same rows, loss and gradients, no compute
     # on padding. It pays only where padding is a large share of the tokens: with sdpa / eager attention
@@ -120,6 +127,10 @@ class SFTStepConfig(GreedyEvalStepConfig):
         super().__post_init__()
         _choice("step.loss_on", self.loss_on, ("answer", "all"))
         _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
+        _positive("step.plateau_lr_drops", self.plateau_lr_drops, allow_zero=True)
+        if self.plateau_lr_factor <= 1:
+            raise ConfigError(f"step.plateau_lr_factor={self.plateau_lr_factor} must be above 1 (it divides the "
+                              "learning rate); step.plateau_lr_drops=0 turns the drops off")
         if self.early_stop_patience and self.eval_every_steps == 0 and self.epochs == 1:
             raise ConfigError("step.early_stop_patience needs evaluations to compare: step.eval_every_steps > 0 "
                               "or step.epochs > 1 (every epoch ends with one)")

@@ -275,6 +275,8 @@ class LoopState:
     best_step: int = 0
     stale_evals: int = 0
     stopped_by: str = ""
+    # Times a loss plateau short of the accuracy bar divided the learning rate (SFT's step.plateau_lr_drops).
+    lr_drops: int = 0
 
     def judge(self, metrics: dict, key: str, higher_is_better: bool, patience: int) -> bool:
         """Fold an evaluation into the best so far by ``key``; True, with ``stopped_by`` saying why,

@@ -48,6 +48,45 @@ def train_answers(train_ds, tokenizer, rows: int = 2000) -> list[str]:
                              skip_special_tokens=True) for ids, labels in zip(part["input_ids"], part["labels"], strict=True)]
 
 
+def peak_lr(engine) -> float:
+    """The learning rate the schedule scales (its base), after any plateau drops."""
+    return float(engine.lr_scheduler.base_lrs[0])
+
+
+def plateau_ends(engine, state: common.LoopState, step_cfg, lr0: float, bar: float | None, logger) -> bool:
+    """Whether a held-out loss plateau (``state.stopped_by`` says it) ends SFT. Short of the accuracy
+    bar a plateau is, on every untuned task measured, a learning rate too high for the task, not a
+    finished step: the rate is divided by step.plateau_lr_factor and training goes on, at most
+    step.plateau_lr_drops times; after that the stop says the rate is the likely cause and the
+    override that starts over at a lower one (``lr0``: the configured rate)."""
+    acc = state.last.get("select/accuracy")
+    if acc is None or bar is None or acc >= bar:
+        return True
+    lr, factor = peak_lr(engine), step_cfg.plateau_lr_factor
+    if state.lr_drops < step_cfg.plateau_lr_drops:
+        scheduler = engine.lr_scheduler
+        scheduler.base_lrs = [b / factor for b in scheduler.base_lrs]
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] /= factor
+        state.lr_drops, state.stale_evals = state.lr_drops + 1, 0
+        plateau, state.stopped_by = state.stopped_by, ""
+        logger.log({"lr_drops": float(state.lr_drops), "lr_peak": lr / factor}, step=state.step)
+        if dist.get_rank() == 0:
+            common.say(f"[sft] {plateau} at held-out accuracy {acc:.1%}, short of its bar {bar:.1%}: the learning "
+                       f"rate is likely too high for the task; dividing it by {factor:g} to {lr / factor:.3g} "
+                       f"(drop {state.lr_drops} of step.plateau_lr_drops={step_cfg.plateau_lr_drops}) and going on")
+        return False
+    # The override starts over from the configured rate lowered once, without the plateau stop: a run
+    # that starts at the lower rate learns where one continued from a plateau at the higher rate
+    # did not (docs/design-notes.md).
+    drops = (f" after {state.lr_drops} drops of the rate to {lr:.3g} (step.plateau_lr_drops={step_cfg.plateau_lr_drops})"
+             if state.lr_drops else "")
+    state.stopped_by += (f" at held-out accuracy {acc:.1%}, short of its bar {bar:.1%}{drops}: the likely cause is a "
+                         f"learning rate too high for the task: start over at a lower one, optim.lr={lr0 / factor:.2g} "
+                         "step.early_stop_patience=0")
+    return True
+
+
 def accuracy_check(cfg: Config, eval_prompts: list[str], tokenizer, report, train_ds, rank: int) -> tuple:
     """Greedy accuracy by the data's rule (data.rule, or the shipped tasks' where it knows the prompts):
     the rule, the select half of the held-out prompts that the stop rule reads (select/accuracy) and
@@ -134,7 +173,9 @@ def run(cfg: Config) -> dict:
                                    f"{bar:.3f} (step.stop_at_accuracy={step_cfg.stop_at_accuracy} of the way from the "
                                    "best constant answer's accuracy to 1)"))
             return True
-        return state.judge(state.last, "eval/loss", False, step_cfg.early_stop_patience)
+        if not state.judge(state.last, "eval/loss", False, step_cfg.early_stop_patience):
+            return False
+        return plateau_ends(engine, state, step_cfg, cfg.optim.lr, bar, logger)
 
     if not resumed:
         state.first = state.last = evaluate(True)
@@ -145,7 +186,8 @@ def run(cfg: Config) -> dict:
     loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params,
                lambda batch: (engine(**batch, use_cache=False).loss, {}), ready, "SFT loss")
     if report_prompts:  # the output's reported accuracy, on prompts the stop rule never read
-        reported = {**greedy(report_prompts), **beside_report}
+        reported = {**greedy(report_prompts), **beside_report, "lr_drops": float(state.lr_drops),
+                    "lr_peak": peak_lr(engine)}
         state.last = {**state.last, **reported}
         logger.log(reported, step=state.step)
 
