@@ -3,6 +3,7 @@
     python launch.py                                   # the SFT step (make run: pipeline=e2e)
     python launch.py step=sft model=tiny-llama zero=3 optim.lr=3e-4
     python launch.py -m sweep=sft_lr_zero              # a sweep: results table and plot at the end
+    python launch.py --dry-run experiment=opt-1.3b_a6000   # what would run, nothing launched (launch.dry_run=true)
     python launch.py --help                            # every config group and its options
 """
 
@@ -108,6 +109,8 @@ if __name__ == "__main__":
 
         print(usage())
         sys.exit(0)
+    # `--dry-run` is the flag a user types; Hydra knows only overrides, so it becomes the override.
+    sys.argv[1:] = ["launch.dry_run=true" if a == "--dry-run" else a for a in sys.argv[1:]]
     # Hydra reads `zero=3` as the integer 3 and refuses it as a group choice; quote it as the
     # compose path (rlhf.config.compose_config) does.
     sys.argv[1:] = quote_numeric_groups(sys.argv[1:])

@@ -23,7 +23,7 @@ def _last_line(text: str) -> str:
 
 
 def test_a_dry_run_the_real_run_would_refuse_exits_2_and_says_so_last(tmp_path):
-    refused = run_cli("step=ppo", "launch.dry_run=true", f"run_dir={tmp_path}/ppo", timeout=300)
+    refused = run_cli("step=ppo", "--dry-run", f"run_dir={tmp_path}/ppo", timeout=300)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert _last_line(refused.stdout).startswith("dry-run: the real run would be refused: PPO with "
                                                  "step.reward_model_weight > 0 needs critic.path")
