@@ -3,7 +3,9 @@
 0.7 (PPO's rollouts: no top-k, no top-p), eos suppressed so both make exactly --new tokens;
 alternating, median of --repeats each, one process. ``full_over_top50`` is our loop's time sampling
 the full distribution over its time drawing among the 50 most likely tokens only (the rollouts'
-former default): the price of sampling the distribution PPO's log-probs describe.
+former default): the price of sampling the distribution PPO's log-probs describe. ``sampler_share``
+is the part of our loop's time that sampling costs over greedy argmax (DeepSpeed-Chat's rollouts
+are greedy), so that a comparison with a greedy peer can be read like for like.
 ``static_over_default`` is the static step's time (``step.decode_graph``, which on a GPU is
 recorded as a CUDA graph; here it runs eagerly, every token attending over the whole cache) over
 the default loop's.
@@ -107,6 +109,9 @@ def measure(name: str, cfg, args) -> dict:
     def ours_top50():
         return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, **{**sampling, "top_k": 50})
 
+    def ours_greedy():  # argmax, as DeepSpeed-Chat's rollouts: what our sampler adds is the difference
+        return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, min_new_tokens=args.new)
+
     def ours_static():
         return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, static=True, **sampling)
 
@@ -131,7 +136,7 @@ def measure(name: str, cfg, args) -> dict:
                 F.linear(x[m.in_features], m.weight, m.bias)
 
     calls = (("ours", ours), ("generate", theirs), ("matmuls", matmuls), ("ours_top50", ours_top50),
-             ("ours_static", ours_static))
+             ("ours_static", ours_static), ("ours_greedy", ours_greedy))
     times = {key: [] for key, _ in calls}
     for _, fn in calls:  # warm-up
         fn()
@@ -154,6 +159,8 @@ def measure(name: str, cfg, args) -> dict:
             "speedup_ceiling": round(med["generate"] / med["matmuls"], 3),
             "ours_over_matmuls": round(med["ours"] / med["matmuls"], 3),
             "full_over_top50": round(med["ours"] / med["ours_top50"], 3),
+            # The share of our generation time that sampling the full distribution costs over argmax.
+            "sampler_share": round(1 - med["ours_greedy"] / med["ours"], 3),
             # The static step (step.decode_graph) without a graph, as it runs on CPU: its price here.
             "static_over_default": round(med["ours_static"] / med["ours"], 3)}
 
