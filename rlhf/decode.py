@@ -217,7 +217,8 @@ class _Cache:
             bias = None if modules[0].bias is None else torch.cat([m.bias.float() for m in modules])
             self.fp32[modules] = (torch.cat([m.weight.float() for m in modules]), bias)
         out = F.linear(x.float(), *self.fp32[modules]).to(x.dtype)
-        return list(out.split([m.out_features for m in modules], dim=-1))
+        # Sizes from the weights: a tensor-parallel slice (rlhf.shards) keeps the module's out_features.
+        return list(out.split([m.weight.shape[0] for m in modules], dim=-1))
 
     @staticmethod
     def window(table: torch.Tensor, dim: int, start, n: int) -> torch.Tensor:
