@@ -131,5 +131,6 @@ def test_a_resumed_run_keeps_its_wandb_id_and_a_wandb_login_is_honoured(tmp_path
     new_id = started_over._wandb.id
     started_over.close()
     assert new_id != run_id
-    # W&B's offline folders (offline-run-<time>-<id>): the resumed run wrote to its first one's id.
-    assert {p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")} == {run_id, new_id}
+    # W&B's offline folders (offline-run-<time>-<id>, with -<n> after when two start in the same
+    # second): the resumed run wrote to its first one's id.
+    assert {p.name.split("-")[3] for p in (tmp_path / "wandb").glob("offline-run-*")} == {run_id, new_id}
