@@ -136,16 +136,6 @@ def test_simpo_learns_the_preferences_without_a_reference(tmp_path, record_prope
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_simpo_resumes_exactly_after_sigkill(tmp_path, sft_model):
-    args = ["step=simpo", f"actor.path={sft_model}", "step.max_steps=16", "data.max_train_samples=320",
-            "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",
-            "step.eval_accuracy_prompts=0"]
-    _straight(args, tmp_path / "a")
-    _kill_after(args, tmp_path / "b", "loss", 6)
-    _straight(args, tmp_path / "b")
-    same_run(tmp_path / "a", tmp_path / "b", "loss")
-
-
 def test_sft_then_simpo_chain(tmp_path):
     overrides = ["pipeline=simpo", *QUIET, f"run_dir={tmp_path}", "pipeline.sft.step.max_steps=10",
                  "pipeline.simpo.step.max_steps=5", "pipeline.simpo.step.eval_accuracy_prompts=16"]
@@ -208,8 +198,10 @@ def test_kto_learns_the_preferences_from_unpaired_rows(tmp_path, record_property
 
 # ------------------------------------------------------------------- every method added as a spec
 # KTO makes two unpaired rows of each pair: half the pairs give the same number of rows.
-@pytest.mark.slow  # make test resumes SFT and PPO after SIGKILL
-@pytest.mark.parametrize("step,pairs", [("dpo", 320), ("orpo", 320), ("kto", 160)])
+# make test resumes SFT, PPO and SimPO after SIGKILL; the other preference methods in the slow tier.
+@pytest.mark.parametrize("step,pairs", [("simpo", 320), pytest.param("dpo", 320, marks=pytest.mark.slow),
+                                        pytest.param("orpo", 320, marks=pytest.mark.slow),
+                                        pytest.param("kto", 160, marks=pytest.mark.slow)])
 def test_a_preference_method_resumes_exactly_after_sigkill(tmp_path, sft_model, step, pairs):
     args = [f"step={step}", f"actor.path={sft_model}", "step.max_steps=16", f"data.max_train_samples={pairs}",
             "step.log_every_steps=1", "checkpoint.every_steps=4", "step.eval_every_steps=0",
