@@ -199,24 +199,27 @@ class _Cache:
         ``x``'s dtype. The copies are made once per decode: the weights change between rollouts."""
         if not _fp32_is_faster(module, x):
             return module(x)
-        if module not in self.fp32:
-            self.fp32[module] = (module.weight.float(), None if module.bias is None else module.bias.float())
-        return F.linear(x.float(), *self.fp32[module]).to(x.dtype)
+        weights = self.fp32.get(module)
+        if weights is None:
+            weights = self.fp32[module] = (module.weight.float(), None if module.bias is None else module.bias.float())
+        return F.linear(x.float(), *weights).to(x.dtype)
 
     def linears(self, modules: tuple, x: torch.Tensor) -> list[torch.Tensor]:
         """``[m(x) for m in modules]`` (a layer's query, key and value projections); on CPU, where
         their products together are small (``SMALL_MATMUL``), as one product over their weights
         concatenated once per decode (fp32 copies for a half-precision model, as ``linear``): one
         call's fixed cost instead of three, every token and layer."""
+        if x.device.type != "cpu":
+            return [m(x) for m in modules]
         rows = x.numel() // x.shape[-1]
-        if (x.device.type != "cpu" or any(type(m) is not torch.nn.Linear for m in modules)
-                or len({m.bias is None for m in modules}) > 1
+        if (any(type(m) is not torch.nn.Linear for m in modules) or len({m.bias is None for m in modules}) > 1
                 or rows * sum(m.weight.numel() for m in modules) > SMALL_MATMUL):
             return [self.linear(m, x) for m in modules]
-        if modules not in self.fp32:
+        weights = self.fp32.get(modules)
+        if weights is None:
             bias = None if modules[0].bias is None else torch.cat([m.bias.float() for m in modules])
-            self.fp32[modules] = (torch.cat([m.weight.float() for m in modules]), bias)
-        out = F.linear(x.float(), *self.fp32[modules]).to(x.dtype)
+            weights = self.fp32[modules] = (torch.cat([m.weight.float() for m in modules]), bias)
+        out = F.linear(x.float(), *weights).to(x.dtype)
         # Sizes from the weights: a tensor-parallel slice (rlhf.shards) keeps the module's out_features.
         return list(out.split([m.weight.shape[0] for m in modules], dim=-1))
 
@@ -248,7 +251,7 @@ class _Cache:
         return out.to(q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
-# On CPU a half-precision matrix product costs a fixed 30-40 us per call before any arithmetic (the
+# On CPU a half-precision matrix product pays a fixed cost per call before any arithmetic (the
 # oneDNN bf16 path); fp32 has no such floor but a lower peak. Below this many multiply-adds
 # (rows x in x out) the fp32 product of the same bf16 weights is faster: every decode token's
 # projections of a small model (one row per sequence), never a prompt's forward or a large model's
@@ -381,10 +384,9 @@ def _positions(attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tenso
 
 
 def _cache_dtype(device: torch.device) -> torch.dtype | None:
-    # On CPU a bf16 model's one-query attention ran 3-4x slower than the same attention in fp32 (4 rows
-    # x 8 heads x 65-128 keys: 135-270 us against 33-79 us, torch 2.13), a fifth of each token's time
-    # in the PPO bench: there the cache and the attention stay fp32 (the projections keep the model's
-    # dtype). GPUs have fast half-precision attention and keep the model's dtype.
+    # On CPU a half-precision model's one-query attention is slower than the same attention in fp32
+    # (docs/design-notes.md, "Half precision on CPU"): there the cache and the attention stay fp32 (the
+    # projections follow ``_Cache.linear``). GPUs have fast half-precision attention and keep the model's dtype.
     return torch.float32 if device.type == "cpu" else None
 
 

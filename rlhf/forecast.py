@@ -685,7 +685,7 @@ def _ppo_updates_s(cfg: Config, seq: int, rates: Rates, notes: list[str]) -> tup
 def _ppo_evaluation_s(cfg: Config, steps: int, prompt: int, chunk: int, shards: int, rates: Rates) -> float:
     """Greedy answers to the select half at every evaluation (step 0, every eval_every_steps, the
     end) and to the reported half at the start and the end (and at each new best, not counted), each
-    scored by the reward model where there is one; and the start check (rlhf.runners.ppo.policy_check):
+    scored by the reward model where there is one; and the start check (rlhf.runners.ppo_judge.policy_check):
     sampled answers to the select half, scored by the reward model."""
     step, world, precision = cfg.step, cfg.world_size, cfg.hardware.precision
     actor, critic, answer = cfg.model, _critic_model(cfg), step.max_new_tokens

@@ -38,7 +38,7 @@ def write_forecast(plan: Plan) -> None:
                                                             **f.as_dict()}, indent=2))
 
 
-def _starts_ranks(schema: Config) -> bool:
+def starts_ranks(schema: Config) -> bool:
     """Whether this process starts the ranks (several of them, and it is not itself one)."""
     return schema.world_size > 1 and "LOCAL_RANK" not in os.environ
 
@@ -59,7 +59,7 @@ def prepare_plan(cfg: DictConfig, plan: Plan, overrides: list[str], command: lis
         return json.loads(done.read_text())
     write_run_dir(cfg, run_dir, overrides, command)
     write_forecast(plan)
-    if _starts_ranks(schema):
+    if starts_ranks(schema):
         if schema.hardware.nodes > 1 and not schema.launch.hostfile:
             slurm_node(schema, slurm_hostfile(schema, run_dir))
         from rlhf.models import resolve_path
@@ -77,7 +77,7 @@ def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: lis
         return plan.dry_run_result()
     if (done := prepare_plan(cfg, plan, overrides, command)) is not None:
         return done
-    if _starts_ranks(schema):
+    if starts_ranks(schema):
         return launch_ranks(schema, [plan.run_dir])[0]
     from rlhf.worker import main
 

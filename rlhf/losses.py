@@ -174,11 +174,18 @@ def dpo_step(b: PreferenceBatch, step) -> PreferenceResult:
     return PreferenceResult(loss, chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
 
 
+def _length_normalised_step(loss_fn, b: PreferenceBatch, *settings) -> PreferenceResult:
+    """A reference-free loss over summed answer log-probs and answer lengths (SimPO, ORPO):
+    ``loss_fn(chosen_logp, rejected_logp, chosen_len, rejected_len, *settings)`` gives the per-pair loss
+    and the two rewards."""
+    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
+    loss, chosen, rejected = loss_fn(pc, pr, tc, tr, *settings)
+    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+
+
 def simpo_step(b: PreferenceBatch, step) -> PreferenceResult:
     """SimPO (simpo) with step.beta and step.gamma."""
-    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
-    loss, chosen, rejected = simpo(pc, pr, tc, tr, step.beta, step.gamma)
-    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+    return _length_normalised_step(simpo, b, step.beta, step.gamma)
 
 
 def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
@@ -202,9 +209,7 @@ def orpo(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, chosen_len: tor
 
 def orpo_step(b: PreferenceBatch, step) -> PreferenceResult:
     """ORPO (orpo) with step.lam."""
-    (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
-    loss, chosen, rejected = orpo(pc, pr, tc, tr, step.lam)
-    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+    return _length_normalised_step(orpo, b, step.lam)
 
 
 def kto(logratio: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, beta: float, desirable_weight: float,
@@ -238,7 +243,7 @@ def kto_step(b: PreferenceBatch, step) -> PreferenceResult:
     loss = kto(own, b.desirable, z0, step.beta, step.desirable_weight, step.undesirable_weight)
     reward, good = (step.beta * own).detach(), b.desirable.bool()
     side = reward - step.beta * z0
-    right = torch.where(good, (side > 0).float(), (side < 0).float()) + 0.5 * (side == 0).float()
+    right = _right(torch.where(good, side, -side), torch.zeros_like(side))
     return PreferenceResult(loss.mean(), reward[good], reward[~good], right)
 
 

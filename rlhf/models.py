@@ -123,17 +123,15 @@ def _random_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast):
                          num_attention_heads=cfg.num_heads, ffn_dim=cfg.ffn_size,
                          max_position_embeddings=cfg.max_positions, word_embed_proj_dim=cfg.hidden_size,
                          dropout=dropout, attention_dropout=dropout, **ids)
-    if cfg.family == "llama":
-        return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                           num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-                           intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
-                           attention_dropout=dropout, tie_word_embeddings=False, **ids)
-    if cfg.family == "qwen2":  # the stand-in for Qwen2.5 presets in CPU tests: biased q/k/v, tied head
-        return Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                           num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-                           intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
-                           attention_dropout=dropout, **ids,
-                           **({} if cfg.tied_embeddings is None else {"tie_word_embeddings": cfg.tied_embeddings}))
+    if cfg.family in ("llama", "qwen2"):
+        # qwen2 is the stand-in for Qwen2.5 presets in CPU tests: LLaMA's layers with biased q/k/v and
+        # (by default) a tied head.
+        cls, tie = ((LlamaConfig, {"tie_word_embeddings": False}) if cfg.family == "llama" else
+                    (Qwen2Config, {} if cfg.tied_embeddings is None else {"tie_word_embeddings": cfg.tied_embeddings}))
+        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                   num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+                   intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
+                   attention_dropout=dropout, **ids, **tie)
     raise ValueError(f"model.family={cfg.family!r}: random models are built for opt, llama and qwen2 only")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import json
-import os
 import time
 from pathlib import Path
 
@@ -251,7 +250,7 @@ def _shown(args: list[str], name: str, delta: dict) -> str:
 def _one_launch(todo: dict) -> bool:
     """Whether the steps left run in one launch of several ranks (they share the launch settings)."""
     schemas = [plan[1] for plan in todo.values()]
-    if not schemas or schemas[0].world_size == 1 or "LOCAL_RANK" in os.environ:
+    if not schemas or not launch_step.starts_ranks(schemas[0]):
         return False
     return all((s.hardware, s.launch) == (schemas[0].hardware, schemas[0].launch) for s in schemas)
 

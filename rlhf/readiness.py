@@ -121,7 +121,7 @@ def _step_config(chain_dir: Path, name: str):
 
 # A printed fix is a run of overrides of the chain's steps, separated by spaces: the first run in a
 # message is its fix, later runs are alternatives (printed_fixes reads them).
-_FIX_OVERRIDE = re.compile(r"^pipeline\.(sft|reward|ppo|dpo|simpo)\.[\w.]+=[^\s,;()]+")
+_FIX_OVERRIDE = re.compile(rf"^pipeline\.({'|'.join(map(re.escape, STEPS))})\.[\w.]+=[^\s,;()]+")
 
 
 def printed_fixes(message: str) -> list[list[str]]:
@@ -152,7 +152,7 @@ def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
         return None
     n = int(n)
     stopped = str(sft.get("stopped_by", ""))
-    sft = OmegaConf.load(chain_dir / "sft" / "config.yaml")
+    sft = _step_config(chain_dir, "sft")
     noise = 2 * (2 * constant * (1 - constant) / n) ** 0.5
     if acc - constant > noise:
         return None
@@ -237,8 +237,7 @@ def accuracy_bar(stop_at: float, constant: float) -> float:
 
 def _sft_stop_at(chain_dir: Path) -> float:
     """The SFT step's step.stop_at_accuracy from its resolved config (2, never reached, if unset)."""
-    cfg = OmegaConf.load(chain_dir / "sft" / "config.yaml")
-    value = cfg.step.get("stop_at_accuracy")
+    value = _step_config(chain_dir, "sft").step.get("stop_at_accuracy")
     return 2.0 if value is None else float(value)
 
 

@@ -599,6 +599,14 @@ _REFERENCE = Role("reference", False, True)
 # A policy step starts from the chain's SFT output.
 _FROM_SFT = (("actor.path", "sft", None),)
 
+
+def _preference(schema: type, title: str, roles: tuple, rows: str = "pairs") -> StepSpec:
+    """A preference method's spec: the preference runner with the loss named as the step, on the
+    reward part of the data, from the SFT output, judged by held-out preference accuracy."""
+    return StepSpec(schema, title, 1, rows, roles, "preference", ("eval/pref_acc", "max"), _PREF_SUMMARY,
+                    chain_inputs=_FROM_SFT, loss=schema.name)
+
+
 STEPS: dict[str, StepSpec] = {
     "sft": StepSpec(SFTStepConfig, "Step 1 (SFT)", 0, "sequences", (Role("model", True, True),), "sft",
                     ("eval/ppl", "min"),
@@ -611,18 +619,14 @@ STEPS: dict[str, StepSpec] = {
                        # whose answers make step.policy_pairs_prompts' pairs is the SFT output.
                        chain_inputs=(("model.path", "sft", "reward_from_sft"), ("step.policy_path", "sft", None))),
     # DeepSpeed-Chat's DPO alternative to steps 2-3: the policy learns from the reward part's pairs.
-    "dpo": StepSpec(DPOStepConfig, "Step 2-3 (DPO)", 1, "pairs", (_POLICY, _REFERENCE), "preference",
-                    ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="dpo"),
+    "dpo": _preference(DPOStepConfig, "Step 2-3 (DPO)", (_POLICY, _REFERENCE)),
     # SimPO: reference-free, the policy alone learns from the reward part's pairs.
-    "simpo": StepSpec(SimPOStepConfig, "Step 2-3 (SimPO)", 1, "pairs", (_POLICY,), "preference",
-                      ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="simpo"),
+    "simpo": _preference(SimPOStepConfig, "Step 2-3 (SimPO)", (_POLICY,)),
     # ORPO: SFT's loss on the chosen answers plus an odds-ratio term against the rejected ones; no reference.
-    "orpo": StepSpec(ORPOStepConfig, "Step 2-3 (ORPO)", 1, "pairs", (_POLICY,), "preference",
-                     ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="orpo"),
+    "orpo": _preference(ORPOStepConfig, "Step 2-3 (ORPO)", (_POLICY,)),
     # KTO: unpaired rows (each pair's chosen answer desirable, its rejected one undesirable) judged
     # against a reference point, the policy's KL to the frozen reference.
-    "kto": StepSpec(KTOStepConfig, "Step 2-3 (KTO)", 1, "unpaired", (_POLICY, _REFERENCE), "preference",
-                    ("eval/pref_acc", "max"), _PREF_SUMMARY, chain_inputs=_FROM_SFT, loss="kto"),
+    "kto": _preference(KTOStepConfig, "Step 2-3 (KTO)", (_POLICY, _REFERENCE), rows="unpaired"),
     "ppo": StepSpec(PPOStepConfig, "Step 3 (PPO)", 2, "rollouts",
                     (_POLICY, _REFERENCE, Role("critic", True, False), Role("reward", False, False)), "ppo",
                     ("eval/accuracy", "max"),

@@ -103,8 +103,8 @@ def make_experience(roles: Roles, batch: dict, sampling: Sampling, step_cfg, kl_
 
     def logprobs(model):  # of the distribution the sampler drew from: no eos before min_new_tokens
         return by_chunks(lambda r: losses.token_logprobs(losses.forbid_early_eos(
-            answer_logits(model, seq[r], attn[r], pos[r], start), eos, step_cfg.min_new_tokens),
-            response[r], step_cfg.temperature), rows, chunk)
+            answer_logits(model, seq[r], attn[r], pos[r], start), eos, sampling.min_new_tokens),
+            response[r], sampling.temperature), rows, chunk)
 
     if from_rollout:
         old_logprobs = sampler_logprobs
