@@ -20,6 +20,12 @@ JSON line per task and, with several, a markdown table; target: +15 points per t
     python bench/own_task.py --out /tmp/own_task --all --jobs 2          # the three tasks
     python bench/own_task.py --out /tmp/own_task --tasks count --seed 2 pipeline.ppo.step.epochs=3
     python bench/own_task.py --out /tmp/own_task_rule --rule-reward      # the user's rule as PPO's reward
+    python bench/own_task.py --out /tmp/own_task --all --jobs 2 --follow-fix
+
+``--follow-fix``: when the chain refuses a step, add the first fix its message prints
+(rlhf.readiness.printed_fixes) to the same command, as a user would, and run it once more in the same
+run directory (the steps the fix does not touch are reused); the row then reports that second run,
+with the refusal and the fix applied.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from rlhf.readiness import RUN_ANYWAY, printed_fixes  # noqa: E402
 
 RULES = {
     "dedupe": '''"""The dedupe task's rule: 1.0 when the answer lists each letter's first occurrence, in order."""
@@ -129,6 +137,8 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", default=["dedupe"], choices=list(ROWS))
     ap.add_argument("--all", action="store_true", help="every task")
     ap.add_argument("--jobs", type=int, default=1, help="chains at once (wall times then share the CPU)")
+    ap.add_argument("--follow-fix", action="store_true",
+                    help="after a refusal, apply the first fix it prints and run the chain once more")
     args = ap.parse_args()
     tasks = list(ROWS) if args.all else args.tasks
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -136,9 +146,24 @@ def main() -> None:
     for r in results:
         print(json.dumps(r), flush=True)
     if len(results) > 1:
-        keys = ("task", "test_sft", "reward_eval_acc", "test_ppo", "gain_points", "ppo_warnings", "refused", "minutes")
+        keys = ("task", "test_sft", "reward_eval_acc", "test_ppo", "gain_points", "ppo_warnings", "refused",
+                "fix_applied", "refused_after_fix", "minutes")
         print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
         print("\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in results))
+
+
+def _run_chain(command: list[str], out: Path, log_name: str) -> str | None:
+    """Runs the chain from the user's folder, as they would; returns the refusal's one line, if any."""
+    with open(out / log_name, "w") as log:
+        proc = subprocess.run(command, cwd=out, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    text = (out / log_name).read_text()
+    refusal = [line for line in text.splitlines() if RUN_ANYWAY in line]
+    if proc.returncode == 2 and refusal:  # the chain refused a step: its own one line
+        return refusal[0]
+    if proc.returncode:
+        raise SystemExit(f"the chain in {out} failed:\n{text[-3000:]}")
+    return None
 
 
 def run_task(task: str, args) -> dict:
@@ -156,23 +181,21 @@ def run_task(task: str, args) -> dict:
         command += ["pipeline.steps=[sft,ppo]", "pipeline.ppo.step.reward_fn=rule",
                     "pipeline.ppo.step.reward_model_weight=0"]
     start = time.perf_counter()
-    with open(out / "chain.log", "w") as log:  # from the user's folder, as they would run it
-        proc = subprocess.run(command, cwd=out, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - start
-    text = (out / "chain.log").read_text()
     result = {"task": f"{task} (not shipped), rule {task}_rule:score", "seed": args.seed,
-              "ppo_reward": "rule" if args.rule_reward else "reward model", "minutes": round(wall / 60, 1)}
+              "ppo_reward": "rule" if args.rule_reward else "reward model"}
+    refusal = _run_chain(command, out, "chain.log")
+    if refusal:
+        result["refused"] = refusal
+        fixes = printed_fixes(refusal)
+        if args.follow_fix and fixes:  # the user copies the first fix onto the same command and runs again
+            result["fix_applied"] = " ".join(fixes[0])
+            again = _run_chain(command[:-1] + fixes[0] + command[-1:], out, "chain_fixed.log")
+            if again:
+                result["refused_after_fix"] = again
+    result["minutes"] = round((time.perf_counter() - start) / 60, 1)
     steps = [s for s in (("sft", "ppo") if args.rule_reward else ("sft", "reward", "ppo"))
              if (out / "chain" / s / "final_metrics.json").exists()]
     final = {s: json.loads((out / "chain" / s / "final_metrics.json").read_text()) for s in steps}
-    from rlhf.readiness import RUN_ANYWAY
-
-    refusal = [line for line in text.splitlines() if RUN_ANYWAY in line]
-    if proc.returncode == 2 and refusal:  # the chain refused a step: its own one line
-        result["refused"] = refusal[0]
-    elif proc.returncode:
-        raise SystemExit(f"the {task} chain failed:\n{text[-3000:]}")
 
     from bench.rlhf_quality import test_accuracy, test_prompts
     from rlhf.config import load_run_config

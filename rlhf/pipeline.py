@@ -29,7 +29,8 @@ from rlhf.config import STEPS, Config, ConfigError, compose_config, step_roles, 
 from rlhf.files import write_whole
 from rlhf.launcher import launch_ranks
 from rlhf.plan import build_plan
-from rlhf.provenance import refuse_changed_settings, write_run_dir
+from rlhf.provenance import (changed_settings, flat_keys, refuse_changed_settings, shown_changes, start_over,
+                              write_run_dir)
 from rlhf.readiness import RUN_ANYWAY, weak_step
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
@@ -159,20 +160,37 @@ def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: li
                 chain_dir: Path) -> tuple[dict, dict]:
     """Every step composed and checked before the first one trains: {step: (config, schema, overrides,
     delta)}, and {step: its plan} for each step that will run now (a dry-run plans at printing)."""
-    reuse = schema.resume == "auto"
-    planned, plans = {}, {}
+    reuse = schema.resume == "auto" and not schema.launch.dry_run
+    planned, plans, again = {}, {}, {}
     for name in steps:
         step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
         step_schema = to_schema(step_cfg)
         step_schema.run_dir = str(chain_dir / name)
-        if reuse and not schema.launch.dry_run:
-            # A finished step is reused only if it ran with these very settings (seed, data, ...).
-            refuse_changed_settings(chain_dir / name, step_cfg, f"the chain's {STEPS[name].title}")
-        if not schema.launch.dry_run and not (reuse and finished(chain_dir / name)):
+        if reuse and (why := _train_again(chain_dir / name, step_cfg, delta, again)):
+            again[name] = why
+        if not schema.launch.dry_run and (name in again or not (reuse and finished(chain_dir / name))):
             plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
             plans[name].refuse()
         planned[name] = (step_cfg, step_schema, args, delta)
+    for name, why in again.items():  # only once every step is planned: a refusal leaves the folder as it was
+        print(f"[e2e] {STEPS[name].title}: trained again from the start: {why}", flush=True)
+        start_over(chain_dir / name)
     return planned, plans
+
+
+def _train_again(step_dir: Path, step_cfg: DictConfig, delta: dict, again: dict[str, str]) -> str | None:
+    """Why a step that already ran in ``step_dir`` must train again, if it must: the chain's per-step
+    settings for it changed (``pipeline.<step>.*``, what every printed fix sets), or a step before it
+    trains again (its input changes). Any other difference (seed, data, model, ...) makes it another
+    experiment, refused, so that a finished chain is never overwritten by mistake."""
+    changes = changed_settings(step_dir, step_cfg)
+    if changes and not set(changes) <= set(flat_keys(delta)):
+        refuse_changed_settings(step_dir, step_cfg, f"the chain's {STEPS[step_dir.name].title}")
+    if changes:
+        return f"its settings changed ({shown_changes(changes)})"
+    if again and (finished(step_dir) or (step_dir / "checkpoints").exists()):
+        return f"it reads {STEPS[next(iter(again))].title}'s output, which is trained again"
+    return None
 
 
 def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dict:

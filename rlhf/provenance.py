@@ -66,8 +66,8 @@ def flat_keys(node, prefix: str = "") -> dict:
     return {prefix[:-1]: node}
 
 
-def changed_settings(run_dir: Path, cfg: DictConfig) -> list[str]:
-    """'key: old -> new' for each setting that differs from the run already in ``run_dir`` (its
+def changed_settings(run_dir: Path, cfg: DictConfig) -> dict[str, str]:
+    """{key: 'old -> new'} for each setting that differs from the run already in ``run_dir`` (its
     config.yaml), where that run left something to continue or reuse (a checkpoint or its final
     metrics); empty otherwise. Continuing under other settings would silently mix two runs."""
     old_file = run_dir / "config.yaml"
@@ -75,21 +75,33 @@ def changed_settings(run_dir: Path, cfg: DictConfig) -> list[str]:
         return []
     old = flat_keys(OmegaConf.to_container(OmegaConf.load(old_file), resolve=False))
     new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
-    return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not any(k == p or k.startswith(p + ".") for p in _NOT_RESULTS)]
+    return {k: f"{old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and not any(k == p or k.startswith(p + ".") for p in _NOT_RESULTS)}
+
+
+def shown_changes(changes: dict[str, str], limit: int = 6) -> str:
+    """The first ``limit`` changes as 'key: old -> new; ...' and how many more."""
+    shown = "; ".join(f"{k}: {v}" for k, v in list(changes.items())[:limit])
+    return shown + (f"; and {len(changes) - limit} more" if len(changes) > limit else "")
 
 
 def refuse_changed_settings(run_dir: Path, cfg: DictConfig, what: str) -> None:
     if changes := changed_settings(run_dir, cfg):
-        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
-        raise ConfigError(f"{run_dir} holds {what} made with other settings ({shown}): continuing it would mix "
-                          "two runs. Give another run_dir, or resume=never to start over in this folder")
+        raise ConfigError(f"{run_dir} holds {what} made with other settings ({shown_changes(changes)}): continuing "
+                          "it would mix two runs. Give another run_dir, or resume=never to start over in this folder")
+
+
+# What a run reads back when it continues in its folder, besides its checkpoints: the reward step's
+# pairs of the policy's own answers and the evaluations' appended samples. A start over drops them.
+_READ_BACK = ("policy_pairs.jsonl", "samples.jsonl")
 
 
 def start_over(run_dir: Path) -> None:
-    """resume=never: the folder's checkpoints and final metrics go, so nothing of the old run is
-    resumed or reused later by mistake (its config.yaml and logs are rewritten by the new run)."""
+    """resume=never, or a chain's step whose settings changed: the folder's checkpoints, final metrics
+    and what a resumed run reads back go, so nothing of the old run is resumed or reused later by
+    mistake (its config.yaml, logs and metrics are rewritten by the new run)."""
     import shutil
 
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    (run_dir / "final_metrics.json").unlink(missing_ok=True)
+    for name in ("final_metrics.json", *_READ_BACK):
+        (run_dir / name).unlink(missing_ok=True)

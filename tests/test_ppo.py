@@ -324,6 +324,14 @@ def test_e2e_chain_runs_and_a_rerun_skips_finished_steps(tmp_path, capsys, recor
     assert final["best_step"] in (0, 2) and isinstance(final["warnings"], list)
     samples = [json.loads(line) for line in open(tmp_path / "ppo" / "samples.jsonl")]
     assert {s["step"] for s in samples} == {0, 2} and all(s["rule"] in (0.0, 1.0) for s in samples)
+    # One step's setting changed through the chain (what a printed fix does): that step trains again
+    # from the start, the steps before it are reused.
+    fixed = [*overrides, "pipeline.ppo.step.max_steps=1"]
+    run(compose(fixed), overrides=fixed)
+    out = capsys.readouterr().out
+    assert "Step 1 (SFT): finished output at" in out and "Step 2 (reward model): finished output at" in out
+    assert "[e2e] Step 3 (PPO): trained again from the start: its settings changed (step.max_steps: 2 -> 1)" in out
+    assert json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())["step"] == 1
 
 
 def test_the_chain_refuses_a_step_that_cannot_work_with_one_line(tmp_path):

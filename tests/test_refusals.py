@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
 
 import pytest
 from conftest import compose
@@ -34,7 +33,6 @@ RULE_PPO = ["pipeline.steps=[sft,ppo]", "pipeline.ppo.step.reward_fn=rule", "pip
 # Only the reward model's checks: the SFT policy's floors off.
 REWARD_ONLY = ["pipeline.min_policy_accuracy=0", "pipeline.sft_loss_still_falling=0", "pipeline.sft_beyond_constant=false",
                "pipeline.reward.step.rule_check_answers=0"]
-STEP_ORDER = ("sft", "reward", "ppo")
 
 
 def _untuned(tmp_path, task: str, rows: int = 2000) -> list[str]:
@@ -62,8 +60,8 @@ def _named_causes(message: str) -> set[str]:
 
 def follow(tmp_path, overrides: list[str], rounds: int) -> list[str]:
     """Run the chain, follow the first printed fix of each refusal, at most ``rounds`` refusals; the
-    refusals in order. A step the fix does not touch and that finished is reused (as a rerun in the
-    same folder does); the folders of the steps the fix touches, and of those after them, go."""
+    refusals in order. Every run is in the same folder, as a user's rerun is: the chain reuses the
+    finished steps the fix does not touch and trains the others again."""
     chain, messages = tmp_path / "chain", []
     for _ in range(rounds):
         args = [*overrides, f"run_dir={chain}"]
@@ -81,9 +79,6 @@ def follow(tmp_path, overrides: list[str], rounds: int) -> list[str]:
         for cause in _named_causes(message):
             assert any(f".{cause}=" in o for o in fix), (cause, fix, message)
         messages.append(message)
-        touched = min(STEP_ORDER.index(o.split(".")[1]) for o in fix)
-        for name in STEP_ORDER[touched:]:
-            shutil.rmtree(chain / name, ignore_errors=True)
         overrides = _merge(overrides, fix)
     return messages
 
