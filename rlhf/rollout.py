@@ -51,6 +51,9 @@ class Experience:
     truncated: torch.Tensor
     eos_id: int
     start: int
+    # How the answers were drawn: the update's log-probs read its temperature and minimum length, as the
+    # sampler's did.
+    sampling: Sampling
     old_logprobs: torch.Tensor
     # The reference's log-probs of the answer tokens: the KL term of the loss (step.kl_in=loss) needs them.
     ref_logprobs: torch.Tensor

@@ -22,6 +22,7 @@ from rlhf import losses, models
 from rlhf.config import compose_config, to_schema
 from rlhf.rollout import Experience, Scores, answer_logits, position_ids
 from rlhf.runners.ppo_update import ppo_update
+from rlhf.sampling import Sampling
 from rlhf.worker import quiet_libraries
 
 ROWS, PROMPT, ANSWER, EOS, PAD = 8, 5, 6, 2, 1
@@ -91,7 +92,7 @@ def main(out: str) -> None:
                 truncated = ~(response == EOS).any(-1)
                 exp = Experience(
                     seq=seq[mine], attn=attn[mine], pos=pos[mine], response=response[mine], mask=mask[mine],
-                    loss_mask=mask[mine], truncated=truncated[mine], eos_id=EOS, start=start,
+                    loss_mask=mask[mine], truncated=truncated[mine], eos_id=EOS, start=start, sampling=Sampling.of(step_cfg),
                     old_logprobs=old[mine], ref_logprobs=ref[mine],
                     old_values=values[mine] if estimator.needs_critic else None, advantages=advantages[mine],
                     returns=returns[mine] if returns is not None else None, kl=kl[mine].sum(-1), kl_k1=kl[mine].sum(-1),

@@ -134,7 +134,7 @@ def make_experience(roles: Roles, batch: dict, sampling: Sampling, step_cfg, kl_
     # DAPO's overlong filtering: truncated answers keep their place in the advantages, not in the loss.
     loss_mask = rmask_f * (~truncated).unsqueeze(-1) if step_cfg.truncated_answers == "mask" else rmask_f
     return Experience(seq=seq, attn=attn, pos=pos, response=response, mask=rmask_f, loss_mask=loss_mask,
-                      truncated=truncated, eos_id=eos, start=start,
+                      truncated=truncated, eos_id=eos, start=start, sampling=sampling,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=old_values,
                       advantages=advantages, returns=returns, kl=kl.sum(-1),
                       kl_k1=((old_logprobs - ref_logprobs) * rmask_f).sum(-1), prompts=batch["prompts"],

@@ -38,7 +38,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     n = exp.seq.shape[0]
     micro, accumulation = step_cfg.micro_batch_size_per_device, step_cfg.gradient_accumulation_steps
     scale = accumulation * world_size()
-    agg, budget = step_cfg.loss_agg, step_cfg.max_new_tokens
+    agg, budget = step_cfg.loss_agg, exp.sampling.max_new_tokens
     token_col = 0 if losses.LOSS_AGGS[agg].unit == "token" else 1  # the column of step_counts agg divides by
     sums = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
     count = steps = 0
@@ -51,9 +51,9 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
             mask = exp.loss_mask[idx]
             denom, tokens = counts[j // accumulation, token_col].item(), counts[j // accumulation, 0].item()
             logits = losses.forbid_early_eos(answer_logits(actor, exp.seq[idx], exp.attn[idx], exp.pos[idx], start),
-                                             exp.eos_id, step_cfg.min_new_tokens)
+                                             exp.eos_id, exp.sampling.min_new_tokens)
             logprobs, token_entropy = losses.token_logprobs_and_entropy(
-                logits, exp.response[idx], step_cfg.temperature, entropy_grad=step_cfg.entropy_coef > 0)
+                logits, exp.response[idx], exp.sampling.temperature, entropy_grad=step_cfg.entropy_coef > 0)
             pg_tokens, clipped = losses.clipped_surrogate(logprobs, exp.old_logprobs[idx], exp.advantages[idx],
                                                           step_cfg.clip_range)
             per_token = pg_tokens
