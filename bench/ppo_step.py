@@ -21,6 +21,14 @@ one a busy VM disturbed least), and the CPU's bf16 support.
 
     python bench/ppo_step.py
     python bench/ppo_step.py --steps 20 --rounds 5 hardware.torch_threads=2
+
+``--peer-line N`` runs only the runner, N measured steps, and prints the one JSON line of its phase
+medians that ../shared/peers/side_by_side.sh reads (its ``OURS`` command); overrides may come before
+it, so that the peers' script can append its own. Our GRPO beside TRL's (2 prompts x 2 answers,
+temperature 1.0, as TRL's side runs):
+
+    OURS=".venv/bin/python bench/ppo_step.py step.advantage_estimator=grpo step.samples_per_prompt=2 \
+      step.temperature=1.0 --peer-line" bash ../shared/peers/side_by_side.sh DIR 5
 """
 
 from __future__ import annotations
@@ -98,8 +106,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="measured steps per round (after 2 warm-up steps)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of runner, naive floor, lean floor in turn")
+    ap.add_argument("--peer-line", type=int, metavar="N",
+                    help="only the runner, N measured steps: one JSON line for ../shared/peers/side_by_side.sh")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
+    if args.peer_line:
+        med, _, _ = runner_step_times(MODEL, args.peer_line, overrides=args.overrides)
+        print(json.dumps({"overrides": args.overrides, "steps": args.peer_line,
+                          **{k: round(v, 4) if isinstance(v, float) else v for k, v in med.items()}}))
+        return
 
     # The three measurements take turns over rounds, and each ratio is the median of the rounds'
     # ratios: on a shared 2-core VM the machine's speed drifts by 20% and more within minutes
