@@ -34,19 +34,20 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
         rm = final("reward").get("eval/acc")
         if pipe.reward_min_accuracy and rm is not None and rm < pipe.reward_min_accuracy \
                 and step.step.reward_model_weight > 0:
-            # A rule that scores answers is a reward that cannot be gamed: the fix where there is one.
-            rule_fix = (f", or reward PPO with your rule instead ({step.data.rule}): "
-                        "pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0"
-                        if step.data.rule else "")
             stopped = str(final("reward").get("stopped_by", ""))
             # The fix changes what ended the reward step: a cap is raised; a plateau is a model that
             # has learned what these pairs teach, so only more pairs or the rule can help.
             longer = ("it stopped learning on these pairs (" + stopped + "): train it on more pairs"
                       if "early_stop_patience" in stopped else
-                      "Train it longer (" + cap_fix("reward", stopped, chain_dir) + ") or on more pairs")
-            return (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
-                    f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. "
-                    f"{longer}{rule_fix}")
+                      "train it longer (" + cap_fix("reward", stopped, chain_dir) + ") or on more pairs")
+            weak = (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
+                    f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. ")
+            if not step.data.rule:
+                return weak + longer[0].upper() + longer[1:]
+            # The user's rule is the reward the model only approximates, and cannot be gamed: the first
+            # fix where there is one (a longer schedule or more pairs may not reach the floor at all).
+            return (weak + f"Reward PPO with your rule instead ({step.data.rule}): pipeline.ppo.step.reward_fn=rule "
+                    f"pipeline.ppo.step.reward_model_weight=0; or {longer}")
     after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
     # The policy's accuracy dooms PPO whatever comes between: judged as soon as SFT's figures exist,
     # so that no reward model trains for a PPO that cannot start.

@@ -394,11 +394,12 @@ def test_sft_reports_the_constant_answer_on_its_report_half_with_the_real_prompt
 
 @pytest.mark.parametrize("rule", ["", "my_rule:score"])
 def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path, rule):
-    """The refusal names the figure and the floor; where the user has a rule, it also offers that rule
-    as PPO's reward (no reward model to game). The figures are read from the steps' final metrics."""
+    """The refusal names the figure and the floor; where the user has a rule, its first fix is that rule
+    as PPO's reward (no reward model to game), and a longer schedule comes after. The figures are
+    read from the steps' final metrics."""
     from omegaconf import OmegaConf
 
-    from rlhf.readiness import weak_step
+    from rlhf.readiness import printed_fixes, weak_step
 
     for step, final in (("sft", {"eval/accuracy": 0.30, "select/accuracy": 0.31}), ("reward", {"eval/acc": 0.71})):
         (tmp_path / step).mkdir()
@@ -408,8 +409,12 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     step = OmegaConf.create({"step": {"reward_model_weight": 1.0}, "data": {"rule": rule}})
     why = weak_step(pipe, "ppo", step, tmp_path, ["sft", "reward", "ppo"])
     assert why.startswith("the reward model's held-out pairwise accuracy 0.710 is below pipeline.reward_min_accuracy=0.975")
-    fix = "reward PPO with your rule instead (my_rule:score): pipeline.ppo.step.reward_fn=rule"
+    fix = "Reward PPO with your rule instead (my_rule:score): pipeline.ppo.step.reward_fn=rule"
     assert (fix in why) == bool(rule)
+    fixes = printed_fixes(why)
+    assert (fixes[0] if rule else []) == (["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0"]
+                                          if rule else [])
+    assert "train it longer" in why.lower()
     assert weak_step(pipe, "ppo", OmegaConf.create({"step": {"reward_model_weight": 0.0}, "data": {"rule": rule}}),
                      tmp_path, ["sft", "reward", "ppo"]) is None, "no reward model in PPO's reward: nothing to refuse"
 
