@@ -22,10 +22,10 @@ JSON line per task and, with several, a markdown table; target: +15 points per t
     python bench/own_task.py --out /tmp/own_task_rule --rule-reward      # the user's rule as PPO's reward
     python bench/own_task.py --out /tmp/own_task --all --jobs 2 --follow-fix
 
-``--follow-fix``: when the chain refuses a step, add the first fix its message prints
-(rlhf.readiness.printed_fixes) to the same command, as a user would, and run it once more in the same
-run directory (the steps the fix does not touch are reused); the row then reports that second run,
-with the refusal and the fix applied.
+``--follow-fix [N]``: when the chain refuses a step, add the first fix its message prints
+(rlhf.readiness.printed_fixes) to the same command, as a user would, and run it again in the same
+run directory (the steps the fix does not touch are reused), at most N times (1 without N); the row
+reports the last run, with the first refusal and the fixes applied.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", default=["dedupe"], choices=list(ROWS))
     ap.add_argument("--all", action="store_true", help="every task")
     ap.add_argument("--jobs", type=int, default=1, help="chains at once (wall times then share the CPU)")
-    ap.add_argument("--follow-fix", action="store_true",
-                    help="after a refusal, apply the first fix it prints and run the chain once more")
+    ap.add_argument("--follow-fix", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="after a refusal, apply the first fix it prints and run the chain again; at most N times")
     args = ap.parse_args()
     tasks = list(ROWS) if args.all else args.tasks
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -186,12 +186,17 @@ def run_task(task: str, args) -> dict:
     refusal = _run_chain(command, out, "chain.log")
     if refusal:
         result["refused"] = refusal
-        fixes = printed_fixes(refusal)
-        if args.follow_fix and fixes:  # the user copies the first fix onto the same command and runs again
-            result["fix_applied"] = " ".join(fixes[0])
-            again = _run_chain(command[:-1] + fixes[0] + command[-1:], out, "chain_fixed.log")
-            if again:
-                result["refused_after_fix"] = again
+    applied = []
+    while refusal and len(applied) < args.follow_fix and (fixes := printed_fixes(refusal)):
+        # The user copies the first fix onto the same command and runs it again in the same folder.
+        applied.append(" ".join(fixes[0]))
+        keys = {o.split("=", 1)[0] for o in fixes[0]}
+        command = [o for o in command[:-1] if o.split("=", 1)[0] not in keys] + fixes[0] + command[-1:]
+        refusal = _run_chain(command, out, f"chain_fixed{len(applied)}.log")
+    if applied:
+        result["fix_applied"] = "; then ".join(applied)
+        if refusal:
+            result["refused_after_fix"] = refusal
     result["minutes"] = round((time.perf_counter() - start) / 60, 1)
     steps = [s for s in (("sft", "ppo") if args.rule_reward else ("sft", "reward", "ppo"))
              if (out / "chain" / s / "final_metrics.json").exists()]
