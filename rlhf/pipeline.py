@@ -29,8 +29,14 @@ from rlhf.config import STEPS, Config, ConfigError, compose_config, step_roles, 
 from rlhf.files import write_whole
 from rlhf.launcher import launch_ranks
 from rlhf.plan import build_plan
-from rlhf.provenance import (changed_settings, flat_keys, refuse_changed_settings, shown_changes, start_over,
-                              write_run_dir)
+from rlhf.provenance import (
+    changed_settings,
+    flat_keys,
+    refuse_changed_settings,
+    shown_changes,
+    start_over,
+    write_run_dir,
+)
 from rlhf.readiness import RUN_ANYWAY, weak_step
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
