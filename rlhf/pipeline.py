@@ -191,7 +191,7 @@ def _train_again(step_dir: Path, step_cfg: DictConfig, delta: dict, again: dict[
     experiment, refused, so that a finished chain is never overwritten by mistake."""
     changes = changed_settings(step_dir, step_cfg)
     if changes and not set(changes) <= set(flat_keys(delta)):
-        refuse_changed_settings(step_dir, step_cfg, f"the chain's {STEPS[step_dir.name].title}")
+        refuse_changed_settings(step_dir, step_cfg, f"the chain's {STEPS[step_dir.name].title}", changes)
     if changes:
         return f"its settings changed ({shown_changes(changes)})"
     if again and (finished(step_dir) or (step_dir / "checkpoints").exists()):

@@ -72,7 +72,7 @@ def changed_settings(run_dir: Path, cfg: DictConfig) -> dict[str, str]:
     metrics); empty otherwise. Continuing under other settings would silently mix two runs."""
     old_file = run_dir / "config.yaml"
     if not old_file.exists() or not ((run_dir / "final_metrics.json").exists() or (run_dir / "checkpoints").exists()):
-        return []
+        return {}
     old = flat_keys(OmegaConf.to_container(OmegaConf.load(old_file), resolve=False))
     new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
     return {k: f"{old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
@@ -85,8 +85,10 @@ def shown_changes(changes: dict[str, str], limit: int = 6) -> str:
     return shown + (f"; and {len(changes) - limit} more" if len(changes) > limit else "")
 
 
-def refuse_changed_settings(run_dir: Path, cfg: DictConfig, what: str) -> None:
-    if changes := changed_settings(run_dir, cfg):
+def refuse_changed_settings(run_dir: Path, cfg: DictConfig, what: str, changes: dict[str, str] | None = None) -> None:
+    """Refuses to continue ``run_dir`` under other settings; ``changes``: changed_settings' result, when
+    the caller has it already."""
+    if changes := (changed_settings(run_dir, cfg) if changes is None else changes):
         raise ConfigError(f"{run_dir} holds {what} made with other settings ({shown_changes(changes)}): continuing "
                           "it would mix two runs. Give another run_dir, or resume=never to start over in this folder")
 
