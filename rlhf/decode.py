@@ -89,7 +89,7 @@ def _base(model):
 
 def _llama_forward(model, ids, cache, start, mask):
     inner = model.model
-    h = inner.embed_tokens(ids)
+    h = cache.stream(inner.embed_tokens(ids))
     if "rope" not in cache.tables:  # every position's rotation at once, not ten small ops per token
         cos, sin = inner.rotary_emb(h, position_ids=cache.positions)
         half = sin.shape[-1] // 2
@@ -98,51 +98,51 @@ def _llama_forward(model, ids, cache, start, mask):
     cos, sin = (cache.window(c, 2, start, ids.shape[1]) for c in cache.tables["rope"])
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
+        x = cache.run(layer.input_layernorm, h)
         q, k, v = (_heads(y, attn.head_dim) for y in cache.linears((attn.q_proj, attn.k_proj, attn.v_proj), x))
         if hasattr(attn, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = cache.run(attn.q_norm, q), cache.run(attn.k_norm, k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         h = h + cache.linear(attn.o_proj, cache.attend(i, q, k, v, start, mask, attn.scaling))
-        h = h + _gated_mlp(cache, layer.mlp, layer.post_attention_layernorm(h))
-    return cache.linear(model.lm_head, inner.norm(h[:, -1]))
+        h = h + _gated_mlp(cache, layer.mlp, cache.run(layer.post_attention_layernorm, h))
+    return cache.linear(model.lm_head, cache.run(inner.norm, h[:, -1]))
 
 
 def _gated_mlp(cache, mlp, x):
     """LLaMA's MLP, down(act(gate(x)) * up(x)), with its projections through ``cache.linear``; another
     MLP (a mixture of experts, ...) through its own forward."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return mlp(x)
+        return cache.run(mlp, x)
     return cache.linear(mlp.down_proj, mlp.act_fn(cache.linear(mlp.gate_proj, x)) * cache.linear(mlp.up_proj, x))
 
 
 def _opt_forward(model, ids, cache, start, mask):
     dec = model.model.decoder
-    h = dec.embed_tokens(ids)
+    h = cache.stream(dec.embed_tokens(ids))
     if dec.project_in is not None:
-        h = dec.project_in(h)
+        h = cache.linear(dec.project_in, h)
     # The embedding's row index of every position once (not the vectors: batch x length x hidden).
     if "rows" not in cache.tables:
         cache.tables["rows"] = cache.positions + dec.embed_positions.offset
     h = h + dec.embed_positions.weight[cache.window(cache.tables["rows"], 1, start, ids.shape[1])]
     for i, layer in enumerate(dec.layers):
         attn, pre = layer.self_attn, layer.do_layer_norm_before
-        x = layer.self_attn_layer_norm(h) if pre else h
+        x = cache.run(layer.self_attn_layer_norm, h) if pre else h
         # OPT scales the query before the product, not the scores (its own order, kept for equality).
         q, k, v = cache.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
         q, k, v = _heads(q * attn.scaling, attn.head_dim), _heads(k, attn.head_dim), _heads(v, attn.head_dim)
         h = h + cache.linear(attn.out_proj, cache.attend(i, q, k, v, start, mask, 1.0))
         if not pre:
-            h = layer.self_attn_layer_norm(h)
-        x = layer.final_layer_norm(h) if pre else h
+            h = cache.run(layer.self_attn_layer_norm, h)
+        x = cache.run(layer.final_layer_norm, h) if pre else h
         h = h + cache.linear(layer.fc2, layer.activation_fn(cache.linear(layer.fc1, x)))
         if not pre:
-            h = layer.final_layer_norm(h)
+            h = cache.run(layer.final_layer_norm, h)
     h = h[:, -1]
     if dec.final_layer_norm is not None:
-        h = dec.final_layer_norm(h)
+        h = cache.run(dec.final_layer_norm, h)
     if dec.project_out is not None:
-        h = dec.project_out(h)
+        h = cache.linear(dec.project_out, h)
     return cache.linear(model.lm_head, h)
 
 
@@ -191,18 +191,52 @@ class _Cache:
     def __init__(self, positions: torch.Tensor, dtype: torch.dtype | None = None):
         self.positions, self.length, self.dtype = positions, positions.shape[1], dtype
         self.keys, self.values, self.tables = {}, {}, {}
-        self.fp32 = {}  # an nn.Linear, or a tuple of them, -> (weight, bias) in fp32, for ``linear(s)``
+        self.fp32 = {}  # a module, or a tuple of them, -> (weight, bias) in fp32, for ``linear(s)`` and ``run``
+        self.half = None  # the model's half-precision dtype where ``stream`` made the residual stream fp32
 
-    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)``; for a plain half-precision ``nn.Linear`` on CPU whose product is small
-        (``SMALL_MATMUL``), the same product through an fp32 copy of its weights, rounded back to
-        ``x``'s dtype. The copies are made once per decode: the weights change between rollouts."""
-        if not _fp32_is_faster(module, x):
-            return module(x)
+    def stream(self, h: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``h`` in the residual stream's dtype: fp32 for a half-precision model where
+        the cache is fp32 (CPU), else unchanged. On CPU a small model's decode step is a few hundred
+        small ops, and a stream in the weights' half precision pays a cast before and after every
+        fp32 product (``linear``) and attention (``_cache_dtype``); in fp32 the stream needs one cast
+        in (here) and one before the LM head's half-precision product. The weights stay as they are,
+        only the sums round less (tests/test_decode.py: as close to fp32 as the model's own forward)."""
+        if self.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float16):
+            self.half = h.dtype
+            return h.float()
+        return h
+
+    def _fp32_weights(self, module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 copies of ``module``'s weight and bias, made once per decode (the weights change between rollouts)."""
         weights = self.fp32.get(module)
         if weights is None:
             weights = self.fp32[module] = (module.weight.float(), None if module.bias is None else module.bias.float())
-        return F.linear(x.float(), *weights).to(x.dtype)
+        return weights
+
+    def run(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for a norm or another module of the layer, in the stream's dtype. Over an fp32
+        stream of a half-precision model: a LayerNorm with fp32 copies of its weights; LLaMA's family
+        of RMSNorms as they are (they normalize in fp32 and return fp32 for an fp32 input); any other
+        module in the model's dtype, its output back in fp32."""
+        if self.half is None or x.dtype != torch.float32:
+            return module(x)
+        if type(module) is torch.nn.LayerNorm:
+            return F.layer_norm(x, module.normalized_shape, *self._fp32_weights(module), module.eps)
+        if type(module).__name__ in FP32_INPUT_NORMS:
+            return module(x)
+        return module(x.to(self.half)).float()
+
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``, in ``x``'s dtype; for a plain half-precision ``nn.Linear`` on CPU whose
+        product is small (``SMALL_MATMUL``), the same product through an fp32 copy of its weights
+        (rounded back where ``x`` is half precision); over an fp32 stream any other module runs in the
+        model's dtype (the LM head, a large model's projections, a LoRA layer) and its output comes
+        back in fp32."""
+        if _fp32_is_faster(module, x):
+            return _as(F.linear(_as(x, torch.float32), *self._fp32_weights(module)), x.dtype)
+        if self.half is not None and x.dtype == torch.float32:
+            return module(x.to(self.half)).float()
+        return module(x)
 
     def linears(self, modules: tuple, x: torch.Tensor) -> list[torch.Tensor]:
         """``[m(x) for m in modules]`` (a layer's query, key and value projections); on CPU, where
@@ -219,7 +253,7 @@ class _Cache:
         if weights is None:
             bias = None if modules[0].bias is None else torch.cat([m.bias.float() for m in modules])
             weights = self.fp32[modules] = (torch.cat([m.weight.float() for m in modules]), bias)
-        out = F.linear(x.float(), *weights).to(x.dtype)
+        out = _as(F.linear(_as(x, torch.float32), *weights), x.dtype)
         # Sizes from the weights: a tensor-parallel slice (rlhf.shards) keeps the module's out_features.
         return list(out.split([m.weight.shape[0] for m in modules], dim=-1))
 
@@ -246,9 +280,15 @@ class _Cache:
         else:
             keys.index_copy_(2, start, k.to(keys.dtype))
             values.index_copy_(2, start, v.to(values.dtype))
-        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=scale,
+        out = F.scaled_dot_product_attention(_as(q, keys.dtype), keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
-        return out.to(q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        return _as(out, q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call where it is one already: a decode step makes dozens of such
+    casts per token, and even a no-op ``to`` is a dispatch."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 # On CPU a half-precision matrix product pays a fixed cost per call before any arithmetic (the
@@ -262,9 +302,14 @@ SMALL_MATMUL = 1 << 20
 
 
 def _fp32_is_faster(module, x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-            and type(module) is torch.nn.Linear  # a LoRA or quantized layer runs its own forward
+    return (x.device.type == "cpu" and type(module) is torch.nn.Linear  # a LoRA or quantized layer runs its own forward
+            and module.weight.dtype in (torch.bfloat16, torch.float16)
             and x.numel() // x.shape[-1] * module.weight.numel() <= SMALL_MATMUL)
+
+
+# Norms whose forward normalizes in fp32 and multiplies by its weight in the input's dtype: given an
+# fp32 input they return fp32 with no cast (transformers' LlamaRMSNorm and its copies).
+FP32_INPUT_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
 def _own_forward(model, length: int = 0):
@@ -406,12 +451,17 @@ def _own_steps(own, input_ids, attention_mask, max_new_tokens):
     valid[..., :prompt] = attention_mask.bool()[:, None, None]
     cache = _Cache(_positions(attention_mask, max_new_tokens), _cache_dtype(device))
     state = {"at": prompt}
+    # Where the attention's dtype is known (the fp32 cache on CPU), the tokens' mask is additive
+    # (0 / -inf) in that dtype, made once: attention converts a boolean mask to that form in every
+    # layer, every token.
+    tokens_mask = valid if cache.dtype is None else torch.zeros(valid.shape, dtype=cache.dtype, device=device).masked_fill(
+        ~valid, float("-inf"))
 
     def step(tok):
         if tok is None:
             return own(input_ids, cache, 0, _prompt_mask(valid, prompt))
         # Sliced once per token, contiguous: attention over a strided mask costs twice as much, per layer.
-        mask = valid[..., :state["at"] + 1].contiguous()
+        mask = tokens_mask[..., :state["at"] + 1].contiguous()
         logits = own(tok.unsqueeze(1), cache, state["at"], mask)
         state["at"] += 1
         return logits

@@ -112,9 +112,18 @@ def test_lora_wrapped_model_decodes_and_scores_like_the_bare_one(family):
 def _config_model(family: str):
     """Small random models of the shapes the family forwards must handle beyond the tiny defaults:
     grouped-query attention and llama3 rope scaling; OPT-350m's post-norm layers with projections
-    in and out of a narrower embedding; Qwen2 (LLaMA's layers with q/k/v biases); a family without
-    a forward of ours (GPT-2), and Mistral with a sliding window shorter than the sequences."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+    in and out of a narrower embedding; Qwen2 (LLaMA's layers with q/k/v biases); Qwen3 (a norm over
+    each head's query and key); a family without a forward of ours (GPT-2), and Mistral with a sliding
+    window shorter than the sequences."""
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        OPTConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     configs = {
         "llama-gqa-rope3": LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -128,6 +137,8 @@ def _config_model(family: str):
         "gpt2": GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64),
         "qwen2": Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        "qwen3": Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64),
         "mistral-window8": MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                          sliding_window=8),
@@ -226,16 +237,27 @@ def test_rollout_logprobs_equal_a_forward_over_the_finished_sequences(family):
     assert (full[:, :3] > plain[:, :3]).all() and torch.allclose(full[:, 3:], plain[:, 3:])
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("family", ["llama", "opt", "opt-350m-shape", "qwen2", "qwen3", "llama-lora"])
 def test_a_bf16_model_decodes_as_close_to_fp32_as_its_own_forward(family):
-    """On CPU a bf16 model's cache and attention stay fp32 (faster there): its logits must stay as
-    close to the fp32 model's as the model's own bf16 forward is, token by token."""
+    """On CPU a bf16 model's residual stream, cache and attention stay fp32 (faster there; norms,
+    projections in and out, per-head norms and LoRA layers each take their own path): its logits must
+    stay as close to the fp32 model's as the model's own bf16 forward is, token by token."""
+    from rlhf.config import LoraConfig
     from rlhf.decode import _model_steps, _own_forward, _own_steps
+    from rlhf.models import apply_lora
 
-    model = _model(family)[0]
+    name = family.removesuffix("-lora")
+    model = _model(name)[0] if name in ("llama", "opt") else _config_model(name)
+    if family.endswith("-lora"):  # an adapter that changes the logits: B drawn, not PEFT's zeros
+        model = apply_lora(model, LoraConfig(rank=4)).eval()
+        torch.manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.05)
     ids, mask = _left_padded(model.config.vocab_size)
     exact = _model_steps(model, ids, mask)
     half = copy.deepcopy(model).to(torch.bfloat16)
+    assert _own_forward(half) is not None
     ours, theirs = _own_steps(_own_forward(half), ids, mask, 6), _model_steps(half, ids, mask)
     tok = None
     with torch.no_grad():
