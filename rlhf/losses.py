@@ -293,14 +293,38 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool | None =
     return (out * m).to(x.dtype)
 
 
+# On CPU the vocabulary-wide passes of the log-prob functions (cast, temperature, log-softmax,
+# entropy, and their backward) run over this many bytes of fp32 logits at a time: over a few rows
+# every pass reads what the last one wrote from cache, and no temporary is large enough to be a fresh
+# mapping whose pages fault in; over a whole [batch, answer, vocabulary] tensor each pass streams it
+# from memory. At the PPO bench's [4, 64, 8192] this took the update's log-probs with their backward
+# from 9.3 to 5.9 ms and the logged entropy from 4-10 to 1.7 ms (docs/design-notes.md). GPUs take
+# the whole tensor at once: there each chunk would be kernel launches, not cache.
+LOGPROB_CHUNK_BYTES = 1 << 19
+
+
+def _row_chunks(logits: torch.Tensor, tokens: torch.Tensor):
+    """(logits rows [n, vocabulary], their tokens [n, 1]) chunks of ``logits`` [..., vocabulary] and
+    ``tokens`` [...]: ``LOGPROB_CHUNK_BYTES`` of fp32 logits each on CPU, one chunk elsewhere."""
+    rows, toks = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+    if logits.device.type != "cpu":
+        return [(rows, toks)]
+    n = max(1, LOGPROB_CHUNK_BYTES // (4 * logits.shape[-1]))
+    return list(zip(rows.split(n), toks.split(n), strict=True))
+
+
+def _scaled_logp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[t] | ...) from logits aligned with tokens (logits[t] predicts tokens[t]).
 
     Divided by the sampling temperature: PPO's ratio must use the distribution that sampled.
     """
-    logits = logits.float()
-    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    picked = [_scaled_logp(rows, temperature).gather(-1, toks) for rows, toks in _row_chunks(logits, tokens)]
+    return torch.cat(picked).view(tokens.shape)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -311,14 +335,17 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tempe
     together; a second log-softmax for the entropy doubled them. The entropy carries a graph only
     with ``entropy_grad`` (an entropy bonus in the loss); otherwise it is measured for the log.
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        lp = logp if entropy_grad else logp.detach()
-        # A token at -inf (forbid_early_eos's eos) has p = 0 and adds 0; p * log p there is 0 * -inf = NaN,
-        # in the value and in the gradient, so its log-prob is replaced by 0 before the product.
-        entropy = -(lp.exp() * torch.where(torch.isneginf(lp), 0.0, lp)).sum(-1)
-    return picked, entropy
+    picked, entropy = [], []
+    for rows, toks in _row_chunks(logits, tokens):
+        logp = _scaled_logp(rows, temperature)
+        picked.append(logp.gather(-1, toks))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            lp = logp if entropy_grad else logp.detach()
+            # A token at -inf (forbid_early_eos's eos) has p = 0 and adds 0; p * log p there is 0 * -inf =
+            # NaN, in the value and in the gradient, so its log-prob is clamped to the lowest finite
+            # value first (0 times it is 0, and the clamp passes it no gradient).
+            entropy.append(-(lp.exp() * lp.clamp(min=torch.finfo(lp.dtype).min)).sum(-1))
+    return torch.cat(picked).view(tokens.shape), torch.cat(entropy).view(tokens.shape)
 
 
 def forbid_early_eos(logits: torch.Tensor, eos_id: int, min_new_tokens: int) -> torch.Tensor:

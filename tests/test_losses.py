@@ -459,3 +459,30 @@ def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])
     assert losses.sequence_logprob(logits, ids, answer).item() == pytest.approx(-2 * math.log(4), abs=1e-6)
+
+
+def test_log_probs_and_entropy_in_row_chunks_equal_one_pass_over_the_whole_tensor(monkeypatch):
+    """On CPU the vocabulary-wide passes run a few rows at a time (LOGPROB_CHUNK_BYTES): values and
+    gradients must be those of one pass over the whole [batch, time, vocabulary] tensor, with a
+    forbidden eos in some rows and a chunk size that does not divide the rows."""
+    torch.manual_seed(0)
+    logits = losses.forbid_early_eos(torch.randn(3, 5, 11) * 3, eos_id=4, min_new_tokens=2).detach()
+    tokens = torch.randint(0, 11, (3, 5))
+    tokens[:, :2] = 0  # a forbidden eos is never a drawn token
+
+    def whole(x, temperature):
+        logp = torch.log_softmax(x.float() / temperature, -1)
+        safe = torch.where(torch.isneginf(logp), 0.0, logp)
+        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * safe).sum(-1)
+
+    for chunk_rows in (1, 4, 100):  # one row, a chunk size that leaves a remainder, one chunk
+        monkeypatch.setattr(losses, "LOGPROB_CHUNK_BYTES", 4 * 11 * chunk_rows)
+        for temperature in (1.0, 0.7):
+            a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+            lp, ent = losses.token_logprobs_and_entropy(a, tokens, temperature, entropy_grad=True)
+            lp_ref, ent_ref = whole(b, temperature)
+            assert torch.allclose(lp, lp_ref, atol=1e-6) and torch.allclose(ent, ent_ref, atol=1e-5)
+            assert torch.allclose(losses.token_logprobs(logits, tokens, temperature), lp_ref, atol=1e-6)
+            (lp.sum() + 0.3 * ent.sum()).backward()
+            (lp_ref.sum() + 0.3 * ent_ref.sum()).backward()
+            assert torch.isfinite(a.grad).all() and torch.allclose(a.grad, b.grad, atol=1e-6)
