@@ -303,13 +303,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool | None =
 LOGPROB_CHUNK_BYTES = 1 << 19
 
 
-def _row_chunks(logits: torch.Tensor, tokens: torch.Tensor):
-    """(logits rows [n, vocabulary], their tokens [n, 1]) chunks of ``logits`` [..., vocabulary] and
-    ``tokens`` [...]: ``LOGPROB_CHUNK_BYTES`` of fp32 logits each on CPU, one chunk elsewhere."""
-    rows, toks = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+def _row_chunks(logits: torch.Tensor, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits [..., vocabulary], their tokens [..., 1]) chunks of ``logits`` and ``tokens`` [...], in
+    row-major order: ``LOGPROB_CHUNK_BYTES`` of fp32 logits each on CPU, one chunk elsewhere. Chunks
+    are views: logits sliced along time (``logits[:, :-1]``) are taken sequence by sequence, not
+    flattened, which would copy them whole."""
     if logits.device.type != "cpu":
-        return [(rows, toks)]
+        return [(logits, tokens.unsqueeze(-1))]
+    if logits.dim() > 2 and not logits.is_contiguous():
+        return [c for b in range(logits.shape[0]) for c in _row_chunks(logits[b], tokens[b])]
     n = max(1, LOGPROB_CHUNK_BYTES // (4 * logits.shape[-1]))
+    rows, toks = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
     return list(zip(rows.split(n), toks.split(n), strict=True))
 
 

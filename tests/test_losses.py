@@ -477,12 +477,15 @@ def test_log_probs_and_entropy_in_row_chunks_equal_one_pass_over_the_whole_tenso
 
     for chunk_rows in (1, 4, 100):  # one row, a chunk size that leaves a remainder, one chunk
         monkeypatch.setattr(losses, "LOGPROB_CHUNK_BYTES", 4 * 11 * chunk_rows)
-        for temperature in (1.0, 0.7):
-            a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-            lp, ent = losses.token_logprobs_and_entropy(a, tokens, temperature, entropy_grad=True)
-            lp_ref, ent_ref = whole(b, temperature)
+        for temperature, sliced in ((1.0, False), (0.7, False), (0.7, True)):
+            # sliced: logits[:, :-1] of a longer sequence, as DPO's log-probs take them (not contiguous)
+            a, b = (torch.cat([logits, logits[:, :1]], 1).requires_grad_() if sliced else
+                    logits.clone().requires_grad_() for _ in range(2))
+            x, y = (a[:, :-1], b[:, :-1]) if sliced else (a, b)
+            lp, ent = losses.token_logprobs_and_entropy(x, tokens, temperature, entropy_grad=True)
+            lp_ref, ent_ref = whole(y, temperature)
             assert torch.allclose(lp, lp_ref, atol=1e-6) and torch.allclose(ent, ent_ref, atol=1e-5)
-            assert torch.allclose(losses.token_logprobs(logits, tokens, temperature), lp_ref, atol=1e-6)
+            assert torch.allclose(losses.token_logprobs(x, tokens, temperature), lp_ref, atol=1e-6)
             (lp.sum() + 0.3 * ent.sum()).backward()
             (lp_ref.sum() + 0.3 * ent_ref.sum()).backward()
             assert torch.isfinite(a.grad).all() and torch.allclose(a.grad, b.grad, atol=1e-6)
