@@ -295,9 +295,11 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # oneDNN bf16 path); fp32 has no such floor but a lower peak. Below this many multiply-adds
 # (rows x in x out) the fp32 product of the same bf16 weights is faster: every decode token's
 # projections of a small model (one row per sequence), never a prompt's forward or a large model's
-# matrices, which stay in half precision. The products are exact in fp32 (bf16 x bf16 fits) and the
-# sums are fp32 in both paths, so the result rounded back differs from the half-precision one only in
-# summation order (tests/test_decode.py). Measured crossover: docs/design-notes.md.
+# matrices, which stay in half precision. For a half-precision input the products are exact in fp32
+# (bf16 x bf16 fits) and the sums are fp32 in both paths, so the result rounded back differs from the
+# half-precision one only in summation order; over the fp32 residual stream (``_Cache.stream``) the
+# input keeps its fp32 bits, and the result is nearer the fp32 model's (tests/test_decode.py).
+# Measured crossover: docs/design-notes.md.
 SMALL_MATMUL = 1 << 20
 
 

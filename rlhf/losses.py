@@ -297,9 +297,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool | None =
 # entropy, and their backward) run over this many bytes of fp32 logits at a time: over a few rows
 # every pass reads what the last one wrote from cache, and no temporary is large enough to be a fresh
 # mapping whose pages fault in; over a whole [batch, answer, vocabulary] tensor each pass streams it
-# from memory. At the PPO bench's [4, 64, 8192] this took the update's log-probs with their backward
-# from 9.3 to 5.9 ms and the logged entropy from 4-10 to 1.7 ms (docs/design-notes.md). GPUs take
-# the whole tensor at once: there each chunk would be kernel launches, not cache.
+# from memory (measured: docs/design-notes.md, "Half precision on CPU"). Chunking changes no value:
+# each row's log-softmax and entropy is computed on its own. GPUs take the whole tensor at once: there
+# each chunk would be kernel launches, not cache.
 LOGPROB_CHUNK_BYTES = 1 << 19
 
 
