@@ -192,7 +192,7 @@ def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, 
     more = (f"Train it on the policy's answers to more prompts than {own} (pipeline.reward.step.policy_pairs_prompts="
             f"{4 * own}), or add answers like these to your pairs as rejected" if own else
             "Add answers like these to your pairs as rejected, or let the chain draw them "
-            "(pipeline.reward.step.policy_pairs_prompts=1024)")
+            "(pipeline.reward.step.policy_pairs_prompts=4096)")
     return (f"the reward model separates the policy's own sampled answers, right from wrong by the rule, with AUC "
             f"{auc:.3f}{held_out}, below pipeline.reward_min_policy_auc={pipe.reward_min_policy_auc}: it scores "
             f"mistakes this policy makes as right{example}, and PPO would learn them. {more} "
