@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlhf.readiness import RUN_ANYWAY, printed_fixes  # noqa: E402
+from rlhf.readiness import RUN_ANYWAY, printed_fixes, with_fix  # noqa: E402
 
 RULES = {
     "dedupe": '''"""The dedupe task's rule: 1.0 when the answer lists each letter's first occurrence, in order."""
@@ -190,8 +190,7 @@ def run_task(task: str, args) -> dict:
     while refusal and len(applied) < args.follow_fix and (fixes := printed_fixes(refusal)):
         # The user copies the first fix onto the same command and runs it again in the same folder.
         applied.append(" ".join(fixes[0]))
-        keys = {o.split("=", 1)[0] for o in fixes[0]}
-        command = [o for o in command[:-1] if o.split("=", 1)[0] not in keys] + fixes[0] + command[-1:]
+        command = with_fix(command[:-1], fixes[0]) + command[-1:]  # run_dir stays last
         refusal = _run_chain(command, out, f"chain_fixed{len(applied)}.log")
     if applied:
         result["fix_applied"] = "; then ".join(applied)

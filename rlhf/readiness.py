@@ -142,6 +142,13 @@ def printed_fixes(message: str) -> list[list[str]]:
     return fixes + ([run] if run else [])
 
 
+def with_fix(overrides: list[str], fix: list[str]) -> list[str]:
+    """``overrides`` with each of ``fix``'s keys set to the fix's value (appended where absent): the
+    command line a user has after copying a printed fix onto it."""
+    keys = {o.split("=", 1)[0] for o in fix}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + fix
+
+
 def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
     """SFT ended no better than the best constant answer, beyond the noise of two evaluations of its
     report prompts (two standard errors of their difference, over their real number): it learned

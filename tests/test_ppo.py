@@ -399,7 +399,7 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     read from the steps' final metrics."""
     from omegaconf import OmegaConf
 
-    from rlhf.readiness import printed_fixes, weak_step
+    from rlhf.readiness import printed_fixes, weak_step, with_fix
 
     for step, final in (("sft", {"eval/accuracy": 0.30, "select/accuracy": 0.31}), ("reward", {"eval/acc": 0.71})):
         (tmp_path / step).mkdir()
@@ -415,6 +415,9 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     assert (fixes[0] if rule else []) == (["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0"]
                                           if rule else [])
     assert "train it longer" in why.lower()
+    if rule:  # copied onto a command that set one of its keys already: the fix's value replaces it, once
+        assert with_fix(["seed=1", "pipeline.ppo.step.reward_model_weight=1.0"], fixes[0]) == \
+            ["seed=1", "pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0"]
     assert weak_step(pipe, "ppo", OmegaConf.create({"step": {"reward_model_weight": 0.0}, "data": {"rule": rule}}),
                      tmp_path, ["sft", "reward", "ppo"]) is None, "no reward model in PPO's reward: nothing to refuse"
 

@@ -19,7 +19,7 @@ from conftest import compose
 from bench.own_task import ROWS, RULES
 from rlhf.config import ConfigError
 from rlhf.launch import run
-from rlhf.readiness import RUN_ANYWAY, printed_fixes
+from rlhf.readiness import RUN_ANYWAY, printed_fixes, with_fix
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,6 @@ def _untuned(tmp_path, task: str, rows: int = 2000) -> list[str]:
         (data / f"{split}.json").write_text(json.dumps([ROWS[task](rng) for _ in range(n)]))
     (tmp_path / f"{task}_rule.py").write_text(RULES[task])
     return [f"data.sources=[{{path: {data}}}]", f"data.rule={task}_rule:score"]
-
-
-def _merge(overrides: list[str], fix: list[str]) -> list[str]:
-    """``overrides`` with each of ``fix``'s keys set to the fix's value (added where absent)."""
-    keys = {o.split("=", 1)[0] for o in fix}
-    return [o for o in overrides if o.split("=", 1)[0] not in keys] + fix
 
 
 def _named_causes(message: str) -> set[str]:
@@ -79,7 +73,7 @@ def follow(tmp_path, overrides: list[str], rounds: int) -> list[str]:
         for cause in _named_causes(message):
             assert any(f".{cause}=" in o for o in fix), (cause, fix, message)
         messages.append(message)
-        overrides = _merge(overrides, fix)
+        overrides = with_fix(overrides, fix)
     return messages
 
 
