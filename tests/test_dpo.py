@@ -5,6 +5,7 @@ online and runs under ZeRO-3 with the reference offloaded."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -191,9 +192,24 @@ def test_kto_learns_the_preferences_from_unpaired_rows(tmp_path, record_property
                  higher=False, strict=True)
     check_margin(record_property, "eval/margin", final["eval/margin"], 0.0, strict=True)
     assert "eval/accuracy" in final
+    # The training window's reward means are over its rows of each kind, not over micro batches.
+    logged = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"chosen_rows"' in x]
+    assert logged and all(r["chosen_rows"] > 0 and r["rejected_rows"] > 0 for r in logged), logged
     assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor", "reference"}
     before, after = load_file(sft_model / "model.safetensors"), load_file(tmp_path / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_training_windows_reward_means_are_over_its_rows_of_each_kind():
+    """At one unpaired row per micro batch every micro batch lacks one kind of answer: a mean of the
+    micro batches' means would halve each kind's reward. Sums 6 over 2 desirable rows and -3 over 3
+    undesirable rows (window figures are per micro batch, over 5): means 3 and -1; none of a kind: nan."""
+    from rlhf.runners.preference import window_rewards
+
+    m = window_rewards({"chosen_reward": 6 / 5, "chosen_rows": 2 / 5, "rejected_reward": -3 / 5, "rejected_rows": 3 / 5})
+    assert m == pytest.approx({"chosen_reward": 3.0, "rejected_reward": -1.0, "margin": 4.0})
+    m = window_rewards({"chosen_reward": 1.0, "chosen_rows": 1.0, "rejected_reward": 0.0, "rejected_rows": 0.0})
+    assert m["chosen_reward"] == 1.0 and math.isnan(m["rejected_reward"]) and math.isnan(m["margin"])
 
 
 # ------------------------------------------------------------------- every method added as a spec

@@ -42,8 +42,8 @@ def train(cfg: Config, engine, loader, sampler, ckpt, state: common.LoopState, l
             loss, sums = micro_step(batch)
             value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, what)
             state.window["loss"] += value
-            for key, v in sums.items():
-                state.window[key] += v
+            for key, v in sums.items():  # get: a checkpoint's window may predate a key
+                state.window[key] = state.window.get(key, 0.0) + v
             if not boundary:
                 continue
             state.step += 1

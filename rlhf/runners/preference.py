@@ -115,6 +115,14 @@ def tokenized(cfg: Config, tokenizer):
     return build
 
 
+def window_rewards(window: dict) -> dict:
+    """The training window's mean reward of each kind of answer, from its sums and row counts (nan where
+    it held none of a kind), and their margin."""
+    chosen, rejected = (window[f"{k}_reward"] / window[f"{k}_rows"] if window[f"{k}_rows"] else float("nan")
+                        for k in ("chosen", "rejected"))
+    return {"chosen_reward": chosen, "rejected_reward": rejected, "margin": chosen - rejected}
+
+
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg, spec = dist.get_rank(), dist.get_world_size(), cfg.step, STEPS[cfg.step.name]
@@ -152,7 +160,8 @@ def run(cfg: Config) -> dict:
                    f"steps of {step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters"
                    + (f", reference log-probs {step_cfg.reference_logprobs}" if spec.has_role("reference") else ""))
     state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps,
-                                               ("loss", "pref_acc", "chosen_reward", "rejected_reward"), name)
+                                               ("loss", "pref_acc", "chosen_reward", "chosen_rows", "rejected_reward",
+                                                "rejected_rows"), name)
 
     def ready(epoch: int) -> bool:
         """Evaluate; a preference step has no readiness rule: it trains its full length."""
@@ -168,16 +177,18 @@ def run(cfg: Config) -> dict:
 
     def micro_step(batch: dict) -> tuple:
         r = scored(engine, ref, batch, step_cfg)[0]
-        # A micro batch of unpaired rows can hold no answer of one kind: its mean counts as 0 in the window.
-        return r.loss, {"pref_acc": r.right.mean().item(), "chosen_reward": r.chosen.mean().item()
-                        if len(r.chosen) else 0.0, "rejected_reward": r.rejected.mean().item() if len(r.rejected) else 0.0}
+        # Sums and row counts, not means: a micro batch of unpaired rows can hold no answer of one kind
+        # (at one row per micro batch every one lacks a kind), and the window's means are over its rows.
+        return r.loss, {"pref_acc": r.right.mean().item(), "chosen_reward": r.chosen.sum().item(),
+                        "chosen_rows": float(len(r.chosen)), "rejected_reward": r.rejected.sum().item(),
+                        "rejected_rows": float(len(r.rejected))}
 
     # -------------------------------------------------------------------------------- loop
     if not resumed:
         ready(0)
         state.first = state.last
     loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, f"{spec.title} loss",
-               derive=lambda m: {"margin": m["chosen_reward"] - m["rejected_reward"]}, postfix=("loss", "pref_acc"))
+               derive=window_rewards, postfix=("loss", "pref_acc"))
 
     # -------------------------------------------------------------------------------- save
     return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)
