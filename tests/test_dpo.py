@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf import losses
 from rlhf.config import ConfigError, to_schema
 from rlhf.launch import run
 from tests.conftest import check_margin, compose, same_run, trajectory_overrides
@@ -210,6 +211,37 @@ def test_the_training_windows_reward_means_are_over_its_rows_of_each_kind():
     assert m == pytest.approx({"chosen_reward": 3.0, "rejected_reward": -1.0, "margin": 4.0})
     m = window_rewards({"chosen_reward": 1.0, "chosen_rows": 1.0, "rejected_reward": 0.0, "rejected_rows": 0.0})
     assert m["chosen_reward"] == 1.0 and math.isnan(m["rejected_reward"]) and math.isnan(m["margin"])
+
+
+def test_kto_scores_the_partners_without_a_graph_and_its_gradient_is_unchanged():
+    """KTO's partners (other prompts' answers) only set the detached reference point z0: scored in a
+    forward of their own without a graph, the loss and every weight gradient are those of one forward
+    over all sequences with a graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.runners.preference import pair_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4))
+    ids = torch.randint(1, 50, (4, 7))
+    mask = torch.ones_like(ids)
+    mask[3, 5:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "answer_mask": (torch.arange(7) >= 3).long().expand(4, 7) * mask}
+    step = type("Step", (), {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0})
+    ref = torch.tensor([-20.0, -21.0, -22.0, -19.0])  # the partners' log-ratios come out positive: z0 > 0
+    grads = []
+    for partner_grad in (True, False):
+        model.zero_grad()
+        logp = pair_logprobs(model, batch, partner_grad)
+        r = losses.kto_step(losses.PreferenceBatch(logp, batch["answer_mask"].sum(-1), ref, torch.tensor([1.0, 0.0])),
+                            step)
+        r.loss.backward()
+        grads.append((r.loss.item(), logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, logp_a, grad_a), (loss_b, logp_b, grad_b) = grads
+    assert loss_a == pytest.approx(loss_b, abs=1e-6) and torch.allclose(logp_a, logp_b, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grad_a, grad_b, strict=True))
+    assert any(a.abs().sum() > 0 for a in grad_a)
 
 
 # ------------------------------------------------------------------- every method added as a spec

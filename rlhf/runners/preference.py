@@ -30,10 +30,22 @@ from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.runners import common, loop
 
 
-def pair_logprobs(engine, batch: dict) -> torch.Tensor:
-    """Summed answer log-probs of every sequence of a PairCollator batch (the rows' answers, then their partners)."""
-    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return losses.sequence_logprob(logits, batch["input_ids"], batch["answer_mask"])
+def pair_logprobs(engine, batch: dict, partner_grad: bool = True) -> torch.Tensor:
+    """Summed answer log-probs of every sequence of a PairCollator batch (the rows' answers, then their
+    partners). ``partner_grad=False``: the partners in a forward of their own without a graph (an
+    unpaired row's partner, another prompt's answer, sets KTO's detached reference point only), so
+    the backward and its activations cover the rows' answers alone."""
+    def logp(rows: slice) -> torch.Tensor:
+        ids = batch["input_ids"][rows]
+        logits = engine(input_ids=ids, attention_mask=batch["attention_mask"][rows]).logits
+        return losses.sequence_logprob(logits, ids, batch["answer_mask"][rows])
+
+    if partner_grad or not torch.is_grad_enabled():
+        return logp(slice(None))
+    n = len(batch["input_ids"]) // 2
+    with torch.no_grad():
+        partners = logp(slice(n, None))
+    return torch.cat([logp(slice(None, n)), partners])
 
 
 def scored(engine, ref, batch: dict, step_cfg) -> tuple[losses.PreferenceResult, torch.Tensor]:
@@ -45,7 +57,7 @@ def scored(engine, ref, batch: dict, step_cfg) -> tuple[losses.PreferenceResult,
     elif ref is not None:
         with torch.no_grad():
             ref_logp = pair_logprobs(ref, batch)
-    logp = pair_logprobs(engine, batch)
+    logp = pair_logprobs(engine, batch, partner_grad=STEPS[step_cfg.name].rows != "unpaired")
     pb = losses.PreferenceBatch(logp, batch["answer_mask"].sum(-1), ref_logp, batch.get("desirable"))
     return losses.PREFERENCE_LOSSES[STEPS[step_cfg.name].loss](pb, step_cfg), logp
 
