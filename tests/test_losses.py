@@ -455,6 +455,25 @@ def test_kto_by_hand():
     assert r.chosen.tolist() == [0.0] and r.rejected.tolist() == [0.0]
 
 
+def _kto_z0_on_rank(rank: int, init: str, shares: list, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=len(shares))
+    try:
+        z0 = losses.kto_reference_point(torch.tensor(shares[rank]))
+        torch.save(z0, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_kto_reference_point_is_the_mean_over_every_ranks_partners(tmp_path):
+    """Two gloo ranks with 1 and 3 partners: both get z0 = the mean of all 4 log-ratios (2.5), not their
+    own shares' means (1 and 3) nor the mean of the two means (2)."""
+    import torch.multiprocessing as mp
+
+    shares, out = [[1.0], [2.0, 3.0, 4.0]], str(tmp_path / "z0")
+    mp.spawn(_kto_z0_on_rank, args=(f"file://{tmp_path / 'store'}", shares, out), nprocs=2, join=True)
+    assert [torch.load(f"{out}.{r}").item() for r in range(2)] == pytest.approx([2.5, 2.5])
+
+
 def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])
