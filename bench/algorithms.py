@@ -44,11 +44,11 @@ METHODS = {
 REWARDS = {"rm": [], "rule": ["step.reward_fn=rule", "step.reward_model_weight=0"]}
 # DPO variants over the chain's DPO stage (conf/stage/e2e/dpo.yaml): plain DPO, with RPO's NLL term
 # on the chosen answers, and IPO.
-# SimPO, reference-free, over its own chain stage (conf/stage/e2e/simpo.yaml); ORPO (reference-free)
-# with its step file's settings. Name -> (step, stage files, overrides).
+# SimPO, reference-free, and KTO over their own chain stages (conf/stage/e2e/simpo.yaml, kto.yaml);
+# ORPO (reference-free) with its step file's settings. Name -> (step, stage files, overrides).
 DPO_VARIANTS = {"dpo": ("dpo", ["e2e/dpo"], []), "dpo_rpo": ("dpo", ["e2e/dpo"], ["step.nll_coef=1"]),
                 "ipo": ("dpo", ["e2e/dpo"], ["step.loss=ipo"]), "simpo": ("simpo", ["e2e/simpo"], []),
-                "orpo": ("orpo", [], []), "kto": ("kto", [], [])}
+                "orpo": ("orpo", [], []), "kto": ("kto", ["e2e/kto"], [])}
 TARGETS = {"dpo": 20.0, "rm": 20.0, "rule": 25.0}
 
 

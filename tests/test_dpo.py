@@ -201,6 +201,20 @@ def test_kto_learns_the_preferences_from_unpaired_rows(tmp_path, record_property
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.trajectory
+def test_kto_under_the_chains_stage_keeps_the_desirable_answers_likely(tmp_path, record_property, sft_model):
+    """The chain's KTO (conf/stage/e2e/kto.yaml, beta 0.5) over one pass of 1280 pairs: the desirable
+    answers' likelihood stays near the start's while they are told from the undesirable ones. At the
+    paper's beta 0.1 and the same rate every answer's likelihood was pushed down (the chosen answers'
+    summed log-prob 5x the start's, 0.5 preference accuracy, answers that never end)."""
+    final = run(compose(["step=kto", "+stage=[e2e/kto]", "step.eval_accuracy_prompts=0", *QUIET,
+                         f"actor.path={sft_model}", *trajectory_overrides(), f"run_dir={tmp_path}"]))
+    check_margin(record_property, "eval/chosen_logp after/before",
+                 final["eval/chosen_logp"] / final["eval/chosen_logp_before"], 2.0, higher=False, strict=True)
+    check_margin(record_property, "eval/pref_acc", final["eval/pref_acc"], 0.6, strict=True)
+    check_margin(record_property, "eval/margin", final["eval/margin"], 0.0, strict=True)
+
+
 def test_the_training_windows_reward_means_are_over_its_rows_of_each_kind():
     """At one unpaired row per micro batch every micro batch lacks one kind of answer: a mean of the
     micro batches' means would halve each kind's reward. Sums 6 over 2 desirable rows and -3 over 3
