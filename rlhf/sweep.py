@@ -170,6 +170,11 @@ def _value(v: str) -> str:
     return v.strip("'\"")
 
 
+def _label(setting: dict, keys) -> str:
+    """A job's settings of ``keys`` as a plot label: key=value, ..."""
+    return ", ".join(f"{k}={_value(setting.get(k, ''))}" for k in keys)
+
+
 def _numbers(values: list[str]) -> list[float] | None:
     try:
         return [float(_value(v)) for v in values]
@@ -220,7 +225,7 @@ def plot(ok: list[dict], path: Path, sweep_dir: Path, trials: bool = False):
         _swept_panel(fig, ax, key, swept, settings, values, colour_of, ylabel)
     rest = list(axes[len(swept):])
     if any(xs for xs, _ in curves):
-        labels = [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept) or r["job"] for s, r in zip(settings, ok, strict=True)]
+        labels = [_label(s, swept) or r["job"] for s, r in zip(settings, ok, strict=True)]
         _curves_panel(rest.pop(0), curves, labels, objective_name)
     if trials:
         _trials_panel(rest.pop(0), ok, values, mode, ylabel)
@@ -251,7 +256,7 @@ def _swept_panel(fig, ax, key: str, swept: list[str], settings: list[dict], valu
             typed = dict(zip(x, map(_value, raw), strict=True))
             ax.set_xticks(sorted(typed), [typed[v] for v in sorted(typed)])
             ax.minorticks_off()
-    labels = [", ".join(f"{k}={_value(s.get(k, ''))}" for k in swept if k != key) for s in settings]
+    labels = [_label(s, [k for k in swept if k != key]) for s in settings]
     others = [k for k in swept if k != key]
     shade = _numbers([s.get(others[0], "") for s in settings]) if len(others) == 1 else None
     if shade is not None and len(set(shade)) > 8:  # a continuous other key (Optuna): a colour scale
