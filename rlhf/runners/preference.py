@@ -57,9 +57,10 @@ def scored(engine, ref, batch: dict, step_cfg) -> tuple[losses.PreferenceResult,
     elif ref is not None:
         with torch.no_grad():
             ref_logp = pair_logprobs(ref, batch)
-    logp = pair_logprobs(engine, batch, partner_grad=STEPS[step_cfg.name].rows != "unpaired")
+    spec = STEPS[step_cfg.name]
+    logp = pair_logprobs(engine, batch, partner_grad=spec.rows != "unpaired")
     pb = losses.PreferenceBatch(logp, batch["answer_mask"].sum(-1), ref_logp, batch.get("desirable"))
-    return losses.PREFERENCE_LOSSES[STEPS[step_cfg.name].loss](pb, step_cfg), logp
+    return losses.PREFERENCE_LOSSES[spec.loss](pb, step_cfg), logp
 
 
 @torch.no_grad()
