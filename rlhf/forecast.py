@@ -603,6 +603,8 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
             else f"{steps:,} PPO steps (step.max_steps)")
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per PPO step")
+    if step.early_stop_patience:
+        notes.append("a readiness rule may stop it sooner: this is its cap")
     return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
 
 

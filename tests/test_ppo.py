@@ -579,6 +579,48 @@ def test_a_ppo_run_that_ends_still_improving_says_to_train_longer():
     assert still_rising(flat, 128) is None, "a rise within noise"
 
 
+def test_the_plateau_rule_counts_evaluations_since_the_first_best():
+    from rlhf.runners.ppo_judge import plateau
+
+    history = [(0, 0.40), (25, 0.55), (50, 0.52), (75, 0.55), (100, 0.54)]
+    # The best is step 25's (an equal later one does not beat it): three evaluations since.
+    assert plateau(history, 3) == ("held-out accuracy did not beat its best (0.5500, step 25) for 3 evaluations "
+                                   "(step.early_stop_patience)")
+    assert plateau(history, 4) is None
+    assert plateau(history, 0) is None, "0: never"
+    assert plateau([*history, (125, 0.56)], 3) is None, "a new best starts the count again"
+    assert plateau([], 1) is None
+    assert plateau([(0, 0.40), (25, 1.0)], 8) == ("held-out accuracy reached 1.0 at step 25, which no later actor "
+                                                  "can beat (step.early_stop_patience)")
+    assert plateau([(0, 0.40), (25, 1.0)], 0) is None
+
+
+def test_ppo_stops_on_its_plateau_with_the_last_actors_figures_and_says_why(tmp_path, sft_and_reward, monkeypatch):
+    """A rule no answer satisfies holds held-out accuracy at 0, so no evaluation beats step 0's: with a
+    patience of 2 the run stops at its second evaluation after the start (step 2 of 6), reports the last
+    actor's figures on the report half, says why, and its output is the start (the best actor)."""
+    sft, rm = sft_and_reward
+    (tmp_path / "never_rule.py").write_text("def score(prompt, answer):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    final = run(compose([*PPO_FAST, "data.rule=never_rule:score", "step.max_steps=6", "step.eval_every_steps=1",
+                         "step.early_stop_patience=2", f"actor.path={sft}", f"critic.path={rm}",
+                         f"run_dir={run_dir}"]))
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "select/accuracy" in r] == [0, 1, 2]
+    assert len([r for r in rows if "policy_loss" in r]) == 2
+    assert final["step"] == 2 and final["best_step"] == 0
+    assert final["stopped_by"] == ("held-out accuracy did not beat its best (0.0000, step 0) for 2 evaluations "
+                                   "(step.early_stop_patience)")
+    assert "eval/accuracy" in rows[-1] and final["eval/accuracy_last"] == 0.0, "the last actor is reported"
+    assert (run_dir / "model_last" / "config.json").exists()
+
+
+def test_ppo_patience_needs_evaluations():
+    with pytest.raises(ConfigError, match="step.early_stop_patience needs evaluations to compare"):
+        to_schema(compose(["step=ppo", "step.early_stop_patience=2", "step.eval_every_steps=0"]))
+
+
 def test_the_best_evaluated_actor_becomes_the_output_and_the_last_is_kept_beside_it(tmp_path, capsys):
     from rlhf.runners.ppo_judge import keep_best as _keep_best
 

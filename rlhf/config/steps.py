@@ -380,6 +380,9 @@ class PPOStepConfig(StepConfig):
     # best held-out accuracy (the last actor is kept in model_last/), not simply the last one -- PPO
     # against a learned reward model can lose accuracy late while its reward still rises.
     keep_best: bool = True
+    # Stop once this many evaluations in a row have not beaten the best held-out rule accuracy (the
+    # select half, which keep_best picks by); 0: never. Needs a rule and step.eval_every_steps > 0.
+    early_stop_patience: int = 0
     # ZeRO-3 generation: gathering the whole actor once per generate call is far faster than ZeRO-3's
     # layer-by-layer gathers (repeated for every token), but needs the full actor on each device; tp
     # gathers it into tensor-parallel slices over groups of step.generation_tp_size ranks, which decode
@@ -405,6 +408,10 @@ class PPOStepConfig(StepConfig):
                     "clip_range", "value_clip_range", "vf_coef", "entropy_coef", "ptx_coef", "ema_decay",
                     "top_k", "eval_prompts", "min_new_tokens", "generation_batch_size_per_device", "truncated_penalty"):
             _positive(f"step.{key}", getattr(self, key), allow_zero=True)
+        _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
+        if self.early_stop_patience and not self.eval_every_steps:
+            raise ConfigError("step.early_stop_patience needs evaluations to compare: set step.eval_every_steps > 0 "
+                              "or step.early_stop_patience=0")
         from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES, LOSS_AGGS
 
         _choice("step.advantage_estimator", self.advantage_estimator, tuple(ESTIMATORS))

@@ -189,11 +189,11 @@ def _train(setup: Setup, state: PPOState) -> None:
                 say(f"[ppo] step {state.step}/{steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
             if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
                 state.last, state.last_eval_step = judge.evaluate(state.step, state.step >= steps, steps), state.step
-            if state.step >= steps:
+            if state.step >= steps or judge.stopped_by:
                 break
             ckpt.after_step(state.step, state.saved(judge, epoch, index + 1), stop, logger, "ppo")
         skip = 0
-        if state.step >= steps:
+        if state.step >= steps or judge.stopped_by:
             break
         ckpt.save(state.step, state.saved(judge, epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
     bar.close()
@@ -265,7 +265,7 @@ def _finish(setup: Setup, state: PPOState) -> dict:
     # The list itself goes into the final figures: what the judge adds while choosing the output lands there.
     return finish(cfg, roles.actor, roles.tokenizer, rank, state.step, state.first,
                   {**state.last, **moved, "old_logprobs": cfg.step.old_logprobs, "warnings": judge.warnings}, setup.logger,
-                  save_more)
+                  save_more, stopped_by=judge.stopped_by or None)
 
 
 # ------------------------------------------------------------------------------------- EMA

@@ -125,6 +125,22 @@ def still_rising(history: list[tuple[int, float]], n_prompts: int, window: int =
             "pipeline.ppo.step.epochs=N)")
 
 
+def plateau(history: list[tuple[int, float]], patience: int) -> str | None:
+    """Why PPO is done learning (``patience`` 0: never): the last ``patience`` evaluations have not
+    beaten the best select-half accuracy, the one keep_best picks the output by (its first
+    occurrence), or that best is 1.0, which no later actor can beat."""
+    if not patience or not history:
+        return None
+    best_at = max(range(len(history)), key=lambda i: (history[i][1], -i))
+    step, best = history[best_at]
+    if best >= 1.0:
+        return f"held-out accuracy reached 1.0 at step {step}, which no later actor can beat (step.early_stop_patience)"
+    if len(history) - 1 - best_at < patience:
+        return None
+    return (f"held-out accuracy did not beat its best ({best:.4f}, step {step}) for {patience} evaluations "
+            "(step.early_stop_patience)")
+
+
 def unjudged_note(first: dict, last: dict, kl: float) -> str | None:
     """Without a rule, a rising reward score cannot be told from reward hacking: say so with the figures."""
     if "eval/accuracy" in last or "eval/rm_score" not in last or "eval/rm_score" not in first:
@@ -153,6 +169,8 @@ class Judge:
     best: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     history: list[tuple[int, float]] = field(default_factory=list)
+    # Why the run is done before its last step (plateau's reason), "" while it is not.
+    stopped_by: str = ""
 
     def state_dict(self) -> dict:
         """What a resume restores (the checkpoint's keys best, warnings, history)."""
@@ -186,7 +204,11 @@ class Judge:
         metrics = as_select(chosen)
         better = "eval/accuracy" in chosen and (not self.best or
                                                 chosen["eval/accuracy"] > self.best["select"]["eval/accuracy"])
-        if reported or better:
+        if "eval/accuracy" in chosen:
+            self.history.append((step, chosen["eval/accuracy"]))
+            self.stopped_by = plateau(self.history, step_cfg.early_stop_patience) or ""
+        # The last evaluation of the run (the cap's, or a plateau's) reports the last actor's figures.
+        if reported or better or self.stopped_by:
             metrics.update(greedy(prompts=self.prompts.report_half))
         self.logger.log(metrics, step=step)
         if rank == 0 and metrics:
@@ -195,7 +217,6 @@ class Judge:
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples[:16])
         if "eval/accuracy" not in chosen:
             return metrics
-        self.history.append((step, chosen["eval/accuracy"]))
         earlier = len(self.history) - 1  # the evaluations the best was picked from
         if self.best and (why := hacking_warning(self.best["select"], chosen, len(self.prompts.select), earlier)) \
                 and not any("reward hacking" in w for w in self.warnings):
