@@ -18,6 +18,12 @@ from rlhf.config import STEPS, Config
 # Every refusal of a weak step ends with this: how to run the step anyway (and how a caller that
 # collects refusals, such as the benchmarks, tells one from another error).
 RUN_ANYWAY = "or pipeline.on_weak_step=warn runs it anyway"
+# The fix that makes the user's rule PPO's only reward. A rule cannot be gamed, so PPO reuses each
+# rollout batch for 4 update passes (TRL's num_ppo_epochs): on a task learned slowly from a 0/1 reward
+# that gained +23 points where one pass gained +1; against a reward model 4 passes found its mistakes
+# sooner (docs/design-notes.md).
+RULE_REWARD_FIX = ("pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0 "
+                   "pipeline.ppo.step.ppo_epochs=4")
 # PPO's start check (rlhf.runners.ppo_judge.policy_check): sampled answers per select prompt, 1024 for the
 # default 256 prompts.
 POLICY_CHECK_SAMPLES = 4
@@ -46,8 +52,8 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
                 return weak + longer[0].upper() + longer[1:]
             # The user's rule is the reward the model only approximates, and cannot be gamed: the first
             # fix where there is one (a longer schedule or more pairs may not reach the floor at all).
-            return (weak + f"Reward PPO with your rule instead ({step.data.rule}): pipeline.ppo.step.reward_fn=rule "
-                    f"pipeline.ppo.step.reward_model_weight=0; or {longer}")
+            return (weak + f"Reward PPO with your rule instead ({step.data.rule}; it cannot be gamed, so each rollout "
+                    f"batch gets 4 update passes): {RULE_REWARD_FIX}; or {longer}")
     after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
     # The policy's accuracy dooms PPO whatever comes between: judged as soon as SFT's figures exist,
     # so that no reward model trains for a PPO that cannot start.
@@ -204,7 +210,7 @@ def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, 
             f"{auc:.3f}{held_out}, below pipeline.reward_min_policy_auc={pipe.reward_min_policy_auc}: it scores "
             f"mistakes this policy makes as right{example}, and PPO would learn them. {more} "
             f"({run_dir / 'policy_check.jsonl'} has every scored answer), or reward PPO "
-            f"with the rule ({rule}): pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0")
+            f"with the rule ({rule}; it cannot be gamed, so each rollout batch gets 4 update passes): {RULE_REWARD_FIX}")
 
 
 def chain_settings(step_dir: Path):

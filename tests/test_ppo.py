@@ -409,15 +409,15 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     step = OmegaConf.create({"step": {"reward_model_weight": 1.0}, "data": {"rule": rule}})
     why = weak_step(pipe, "ppo", step, tmp_path, ["sft", "reward", "ppo"])
     assert why.startswith("the reward model's held-out pairwise accuracy 0.710 is below pipeline.reward_min_accuracy=0.975")
-    fix = "Reward PPO with your rule instead (my_rule:score): pipeline.ppo.step.reward_fn=rule"
+    fix = "Reward PPO with your rule instead (my_rule:score; it cannot be gamed, so each rollout batch gets 4 update passes)"
     assert (fix in why) == bool(rule)
     fixes = printed_fixes(why)
-    assert (fixes[0] if rule else []) == (["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0"]
-                                          if rule else [])
+    rule_fix = ["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0",
+                "pipeline.ppo.step.ppo_epochs=4"]
+    assert (fixes[0] if rule else []) == (rule_fix if rule else [])
     assert "train it longer" in why.lower()
     if rule:  # copied onto a command that set one of its keys already: the fix's value replaces it, once
-        assert with_fix(["seed=1", "pipeline.ppo.step.reward_model_weight=1.0"], fixes[0]) == \
-            ["seed=1", "pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0"]
+        assert with_fix(["seed=1", "pipeline.ppo.step.reward_model_weight=1.0"], fixes[0]) == ["seed=1", *rule_fix]
     assert weak_step(pipe, "ppo", OmegaConf.create({"step": {"reward_model_weight": 0.0}, "data": {"rule": rule}}),
                      tmp_path, ["sft", "reward", "ppo"]) is None, "no reward model in PPO's reward: nothing to refuse"
 
