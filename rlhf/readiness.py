@@ -19,9 +19,9 @@ from rlhf.config import STEPS, Config
 # collects refusals, such as the benchmarks, tells one from another error).
 RUN_ANYWAY = "or pipeline.on_weak_step=warn runs it anyway"
 # The fix that makes the user's rule PPO's only reward. A rule cannot be gamed, so PPO reuses each
-# rollout batch for 4 update passes (TRL's num_ppo_epochs): on a task learned slowly from a 0/1 reward
-# that gained +23 points where one pass gained +1; against a reward model 4 passes found its mistakes
-# sooner (docs/design-notes.md).
+# rollout batch for 4 update passes (TRL's num_ppo_epochs), which a task learned slowly from a 0/1
+# reward needs; against a reward model the chain keeps one, as more find its mistakes sooner
+# (docs/design-notes.md has the figures).
 RULE_REWARD_FIX = ("pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0 "
                    "pipeline.ppo.step.ppo_epochs=4")
 # PPO's start check (rlhf.runners.ppo_judge.policy_check): sampled answers per select prompt, 1024 for the
