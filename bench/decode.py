@@ -7,8 +7,9 @@ former default): the price of sampling the distribution PPO's log-probs describe
 is the part of our loop's time that sampling costs over greedy argmax (DeepSpeed-Chat's rollouts
 are greedy), so that a comparison with a greedy peer can be read like for like.
 ``static_over_default`` is the static step's time (``step.decode_graph``, which on a GPU is
-recorded as a CUDA graph; here it runs eagerly, every token attending over the whole cache) over
-the default loop's.
+recorded as a CUDA graph; here it runs eagerly, each token attending over the cache up to the end of
+its span, rlhf.decode.STATIC_SPAN) over the default loop's; ``static_spans_over_whole`` is its time
+over the same step attending over the whole cache from the first token (STATIC_SPAN = 0).
 
 Models: the PPO bench's random OPT (hidden 256, 4 layers, vocab 8192; bench/ppo_step.py) and the
 default tiny LLaMA. Prints one JSON line per model with tokens/s of each and ``speedup`` (ours over
@@ -87,6 +88,7 @@ def measure(name: str, cfg, args) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from rlhf import decode as decode_module
     from rlhf.decode import decode
     from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
     from rlhf.probes import cpu_bf16
@@ -115,6 +117,13 @@ def measure(name: str, cfg, args) -> dict:
     def ours_static():
         return decode(model, ids, mask, args.new, tok.eos_token_id, tok.pad_token_id, static=True, **sampling)
 
+    def ours_static_whole():  # every token over the whole cache, as before the spans
+        spans, decode_module.STATIC_SPAN = decode_module.STATIC_SPAN, 0
+        try:
+            return ours_static()
+        finally:
+            decode_module.STATIC_SPAN = spans
+
     def theirs():
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
@@ -136,7 +145,7 @@ def measure(name: str, cfg, args) -> dict:
                 F.linear(x[m.in_features], m.weight, m.bias)
 
     calls = (("ours", ours), ("generate", theirs), ("matmuls", matmuls), ("ours_top50", ours_top50),
-             ("ours_static", ours_static), ("ours_greedy", ours_greedy))
+             ("ours_static", ours_static), ("ours_static_whole", ours_static_whole), ("ours_greedy", ours_greedy))
     times = {key: [] for key, _ in calls}
     for _, fn in calls:  # warm-up
         fn()
@@ -162,7 +171,8 @@ def measure(name: str, cfg, args) -> dict:
             # The share of our generation time that sampling the full distribution costs over argmax.
             "sampler_share": round(1 - med["ours_greedy"] / med["ours"], 3),
             # The static step (step.decode_graph) without a graph, as it runs on CPU: its price here.
-            "static_over_default": round(med["ours_static"] / med["ours"], 3)}
+            "static_over_default": round(med["ours_static"] / med["ours"], 3),
+            "static_spans_over_whole": round(med["ours_static"] / med["ours_static_whole"], 3)}
 
 def measure_family(family: str, args) -> dict:
     """Our loop against generate on ``family``'s tiny random model: same batch and sampling as ``measure``."""

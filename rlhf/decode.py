@@ -193,6 +193,7 @@ class _Cache:
         self.keys, self.values, self.tables = {}, {}, {}
         self.fp32 = {}  # a module, or a tuple of them, -> (weight, bias) in fp32, for ``linear(s)`` and ``run``
         self.half = None  # the model's half-precision dtype where ``stream`` made the residual stream fp32
+        self.span = self.length  # the static path's attention reads cache positions [0, span) (``_StaticSteps``)
 
     def stream(self, h: torch.Tensor) -> torch.Tensor:
         """The embeddings ``h`` in the residual stream's dtype: fp32 for a half-precision model where
@@ -264,8 +265,8 @@ class _Cache:
 
     def attend(self, layer: int, q, k, v, start, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this chunk's keys/values at ``start`` and attend over the cache up to its end under
-        ``mask`` [batch, 1, time, end] (static path: over the whole cache, ``mask`` as long); the
-        output as [batch, time, heads * head_dim]."""
+        ``mask`` [batch, 1, time, end] (static path: over the cache's first ``span`` positions, ``mask``
+        as long); the output as [batch, time, heads * head_dim]."""
         if layer not in self.keys:
             shape = (k.shape[0], k.shape[1], self.length, k.shape[3])
             dtype = self.dtype or k.dtype
@@ -280,6 +281,7 @@ class _Cache:
         else:
             keys.index_copy_(2, start, k.to(keys.dtype))
             values.index_copy_(2, start, v.to(values.dtype))
+            keys, values = keys[:, :, :self.span], values[:, :, :self.span]
         out = F.scaled_dot_product_attention(_as(q, keys.dtype), keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return _as(out, q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
@@ -360,8 +362,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, samplin
     the same rows; every token is the group's first rank's draw, so the group never parts.
     """
     sampling = Sampling.coerce(sampling, settings)
-    max_new_tokens, min_new_tokens, do_sample = sampling.max_new_tokens, sampling.min_new_tokens, sampling.do_sample
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    max_new_tokens = sampling.max_new_tokens
     own = _own_forward(model, input_ids.shape[1] + max_new_tokens)
     if static and own is None:
         _notice(f"[decode] {type(_base(model)).__name__}: no static decode step for this family (rlhf.decode.FORWARDS)"
@@ -381,11 +382,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, samplin
     eos = torch.tensor([eos_id], device=input_ids.device)
     logits = step(None)
     for t in range(max_new_tokens):
-        if t < min_new_tokens:  # the answer may not end yet: eos is out of the distribution here
-            logits = logits.index_fill(-1, eos, float("-inf"))
-        # Scaled once for the sampler and the log-probs (greedy picks on the raw logits, as generate).
-        scaled = logits.float() / temperature if temperature != 1.0 and (do_sample or with_logprobs) else logits
-        tok = next_tokens(scaled if do_sample else logits, do_sample, 1.0, top_k, top_p)
+        tok, scaled = sample_token(logits, t, sampling, eos, with_logprobs)
         if tp_group is not None:  # each rank's RNG differs; a rank that parted would hang the group
             dist.broadcast(tok, src=dist.get_global_rank(tp_group, 0), group=tp_group)
         tok = torch.where(done, pad, tok)
@@ -412,6 +409,19 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, samplin
     length = min(int((~torch.stack(ended, dim=1)).sum(1).max()) + 1, len(tokens)) if check_every > 1 else len(tokens)
     out = torch.stack(tokens[:length], dim=1)
     return (out, torch.stack(logprobs[:length], dim=1)) if with_logprobs else out
+
+
+def sample_token(logits: torch.Tensor, t: int, sampling: Sampling, eos: torch.Tensor,
+                 with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token [batch] drawn from one decoding step's ``logits`` [batch, vocab] for answer position
+    ``t``, and the logits the sampler scaled (by the temperature, eos forbidden before
+    min_new_tokens), which the token's log-prob is read from."""
+    if t < sampling.min_new_tokens:  # the answer may not end yet: eos is out of the distribution here
+        logits = logits.index_fill(-1, eos, float("-inf"))
+    do_sample, temperature = sampling.do_sample, sampling.temperature
+    # Scaled once for the sampler and the log-probs (greedy picks on the raw logits, as generate).
+    scaled = logits.float() / temperature if temperature != 1.0 and (do_sample or with_logprobs) else logits
+    return next_tokens(scaled if do_sample else logits, do_sample, 1.0, sampling.top_k, sampling.top_p), scaled
 
 
 _told: set[str] = set()
@@ -470,15 +480,25 @@ def _own_steps(own, input_ids, attention_mask, max_new_tokens):
     return step
 
 
+# The static path's attention reads the cache up to the next multiple of this many positions past
+# the token's own (not the whole prompt + max_new_tokens), one CUDA graph per such span: the KV
+# cache is most of what a decoding step reads at rollout batch sizes, and attending over the whole
+# cache from the first answer token reads on average max_new_tokens / 2 positions more per row than
+# the tokens need. A span's graph is recorded when the first token reaches it (a capture only; the
+# warm-up runs before the first). 0: every token attends over the whole cache, one graph.
+STATIC_SPAN = 64
+
+
 class _StaticSteps:
     """The steps of ``_own_steps`` with every per-token shape fixed: each token's forward attends over
-    the whole cache (prompt + max_new_tokens) under a mask that opens one position per token in
-    place, and the position is a device tensor advanced in place. Nothing in a token's step
-    (``token``) reads a value back to the host or changes shape, so on a GPU it is recorded once as a
-    CUDA graph (after the prompt's forward has built the cache and its tables) and replayed for every
-    token: one launch instead of a few hundred kernel launches from Python. On CPU the same step runs
-    eagerly, at about the default loop's speed for short answers (bench/decode.py's
-    ``static_over_default``: it attends over the whole cache from the first token, but slices no mask)."""
+    the cache up to the end of its span (``STATIC_SPAN``) under a mask that opens one position per
+    token in place, and the position is a device tensor advanced in place. Nothing in a token's step
+    (``token``) reads a value back to the host or changes shape within a span, so on a GPU each
+    span's step is recorded once as a CUDA graph (the first after the prompt's forward has built the
+    cache and its tables) and replayed for every token in it: one launch instead of a few hundred
+    kernel launches from Python. The host knows which span a token is in from the count of tokens
+    fed, never from the device. On CPU the same step runs eagerly (bench/decode.py's
+    ``static_over_default``: its price there)."""
 
     def __init__(self, own, input_ids, attention_mask, max_new_tokens):
         batch, self.prompt = input_ids.shape
@@ -489,40 +509,54 @@ class _StaticSteps:
         self.cache = _Cache(_positions(attention_mask, max_new_tokens), _cache_dtype(device))
         self.at = torch.full((1,), self.prompt, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, 1, dtype=input_ids.dtype, device=device)
-        self.graph = self.out = None
+        self.fed = 0  # tokens fed so far: the next one's key goes to position prompt + fed
+        self.graphs = {}  # span -> (graph, its output buffer, rewritten by every replay)
+
+    def span(self) -> int:
+        """The cache positions the next token attends over: its own position + 1, rounded up to a
+        multiple of ``STATIC_SPAN``, at most the whole cache."""
+        length = self.cache.length
+        if not STATIC_SPAN:
+            return length
+        return min(length, -(-(self.prompt + self.fed + 1) // STATIC_SPAN) * STATIC_SPAN)
 
     def token(self) -> torch.Tensor:
-        """One token's forward from ``self.tok`` at ``self.at``; the logits [batch, vocab]."""
+        """One token's forward from ``self.tok`` at ``self.at`` over ``self.cache.span`` positions; the
+        logits [batch, vocab]."""
         self.valid.index_fill_(-1, self.at, True)
-        logits = self.own(self.tok, self.cache, self.at, self.valid)
+        logits = self.own(self.tok, self.cache, self.at, self.valid[..., :self.cache.span])
         self.at.add_(1)
         return logits
 
     def __call__(self, tok):
         if tok is None:
-            logits = self.own(self.input_ids, self.cache, 0, _prompt_mask(self.valid, self.prompt))
-            if self.input_ids.device.type == "cuda":
-                self.graph, self.out = self._record()
-            return logits
+            return self.own(self.input_ids, self.cache, 0, _prompt_mask(self.valid, self.prompt))
         self.tok.copy_(tok.unsqueeze(1))
-        if self.graph is None:
+        self.cache.span = span = self.span()
+        self.fed += 1
+        if self.input_ids.device.type != "cuda":
             return self.token()
-        self.graph.replay()
-        return self.out
+        if span not in self.graphs:
+            self.graphs[span] = self._record(warm_up=not self.graphs)
+        graph, out = self.graphs[span]
+        graph.replay()
+        return out
 
-    def _record(self):
-        """Record ``token`` as a CUDA graph: a few warm-up runs on a side stream (as capture requires),
-        the position and mask put back (the warm-up's cache writes sit at positions the real steps
-        overwrite before they read them), then one capture, which launches nothing. Returns the graph
-        and its output buffer, rewritten by every replay."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(min(2, self.max_new_tokens)):
-                self.token()
-        torch.cuda.current_stream().wait_stream(side)
-        self.at.fill_(self.prompt)
-        self.valid[..., self.prompt:] = False
+    def _record(self, warm_up: bool):
+        """Record ``token`` as a CUDA graph at the span set in ``self.cache``. Before the first capture
+        of a decode, a few warm-up runs on a side stream (as capture requires), then the position and
+        mask put back (the warm-up's cache writes sit at positions the real steps overwrite before
+        they read them); a capture itself launches nothing. Returns the graph and its output buffer."""
+        if warm_up:
+            at = self.prompt + self.fed - 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(min(2, self.max_new_tokens)):
+                    self.token()
+            torch.cuda.current_stream().wait_stream(side)
+            self.at.fill_(at)
+            self.valid[..., at:] = False
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.token()

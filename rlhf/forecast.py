@@ -347,9 +347,9 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
     prefill is one forward over the prompts; each decoding step reads the weights and the KV cache
     (at its mean length) once for the chunk, or computes, whichever is slower, plus the per-layer cost.
 
-    ``static`` (step.decode_graph): every step attends over the whole fixed-length cache (prompt +
-    answer), and where it is replayed as a CUDA graph (``graph``) the host dispatches nothing per
-    layer, so the per-layer cost is gone.
+    ``static`` (step.decode_graph): every step attends over the cache up to the end of its span
+    (``static_attended``), and where it is replayed as a CUDA graph (``graph``) the host dispatches
+    nothing per layer, so the per-layer cost is gone.
 
     ``shards`` > 1: each device holds a tensor-parallel slice (rlhf.shards) and its group of
     ``shards`` devices decodes all their chunks together. Per device the FLOPs and KV cache are
@@ -360,7 +360,7 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
     chunk = min(chunk, seqs)
     width = bytes_per_param(precision)
     prefill = forward_flops(m, seqs * prompt, prompt / 2, True) / rates.flops
-    attended = prompt + (answer if static else answer / 2)
+    attended = static_attended(prompt, answer) if static else prompt + answer / 2
     s = sizes(m)
     kv_bytes = 2 * s.num_layers * chunk * attended * kv_width(m) * width
     weights, reduce = param_counts(m)[0] * width, 0.0
@@ -375,6 +375,18 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
     math = forward_flops(m, chunk, attended, True) / rates.flops
     overhead = 0.0 if graph else s.num_layers * rates.layer_overhead_s
     return prefill + -(-seqs // chunk) * answer * (max(read, math) + overhead + reduce)
+
+
+def static_attended(prompt: int, answer: int) -> float:
+    """The cache positions the static decode step attends over, on average over the answer's tokens:
+    each token's position + 1 rounded up to a multiple of rlhf.decode.STATIC_SPAN, at most prompt +
+    answer (with no spans, always the whole cache)."""
+    from rlhf.decode import STATIC_SPAN
+
+    length = prompt + answer
+    if not STATIC_SPAN or answer <= 0:
+        return float(length)
+    return sum(min(length, -(-(prompt + t + 1) // STATIC_SPAN) * STATIC_SPAN) for t in range(answer)) / answer
 
 
 # ----------------------------------------------------------------------------------- work

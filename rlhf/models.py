@@ -80,6 +80,8 @@ def random_model_dir(cfg: ModelConfig) -> Path:
                                          "vocab_size", "max_positions", "init_seed")}
     if cfg.num_kv_heads not in (None, cfg.num_heads):  # keys of existing entries stay as they were
         spec["num_kv_heads"] = cfg.num_kv_heads
+    if cfg.tied_embeddings is not None:
+        spec["tied_embeddings"] = cfg.tied_embeddings
     digest.update(json.dumps({"spec": spec, "version": BUILD_VERSION}, sort_keys=True).encode())
     for f in _corpus_files():
         digest.update(f.read_bytes())
@@ -125,9 +127,9 @@ def _random_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast):
                          dropout=dropout, attention_dropout=dropout, **ids)
     if cfg.family in ("llama", "qwen2"):
         # qwen2 is the stand-in for Qwen2.5 presets in CPU tests: LLaMA's layers with biased q/k/v and
-        # (by default) a tied head.
-        cls, tie = ((LlamaConfig, {"tie_word_embeddings": False}) if cfg.family == "llama" else
-                    (Qwen2Config, {} if cfg.tied_embeddings is None else {"tie_word_embeddings": cfg.tied_embeddings}))
+        # (by default) a tied head; llama's head is its own unless model.tied_embeddings=true (Llama 3.2).
+        cls, default = (LlamaConfig, {"tie_word_embeddings": False}) if cfg.family == "llama" else (Qwen2Config, {})
+        tie = default if cfg.tied_embeddings is None else {"tie_word_embeddings": cfg.tied_embeddings}
         return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                    num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
                    intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,

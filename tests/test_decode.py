@@ -270,13 +270,18 @@ def test_a_bf16_model_decodes_as_close_to_fp32_as_its_own_forward(family):
 
 @pytest.mark.parametrize("family", ["llama", "opt", "llama-gqa-rope3", "opt-350m-shape", "qwen2"])
 @pytest.mark.parametrize("sampling", [{"do_sample": True, "temperature": 0.7}, {}], ids=["sampled", "greedy"])
-def test_static_step_decodes_the_tokens_and_logprobs_of_the_default_loop(family, sampling):
-    """The static-shape step (every token attends over the whole cache under an in-place mask, the
-    position a device tensor; what a CUDA graph records) against the default loop, same seed: the
-    same tokens, the same log-probs (1e-6), padding after a row's eos; and where every row has ended
-    before its first look (row 0 alone), the same length, although it looks for the end only every
-    STATIC_CHECK_EVERY tokens and trims what it decoded past it."""
+@pytest.mark.parametrize("span", [8, 0], ids=["spans", "whole-cache"])
+def test_static_step_decodes_the_tokens_and_logprobs_of_the_default_loop(family, sampling, span, monkeypatch):
+    """The static-shape step (every token attends over the cache up to the end of its span, or the
+    whole cache, under an in-place mask, the position a device tensor; what a CUDA graph records)
+    against the default loop, same seed: the same tokens, the same log-probs (1e-6), padding after a
+    row's eos; and where every row has ended before its first look (row 0 alone), the same length,
+    although it looks for the end only every STATIC_CHECK_EVERY tokens and trims what it decoded
+    past it. Spans of 8 positions: the 35 tokens cross several."""
+    from rlhf import decode as decode_module
     from rlhf.decode import STATIC_CHECK_EVERY
+
+    monkeypatch.setattr(decode_module, "STATIC_SPAN", span)
 
     model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
     ids, mask = _left_padded(model.config.vocab_size)

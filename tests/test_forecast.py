@@ -57,10 +57,20 @@ def test_zero_traffic_by_hand():
     assert forecast.zero_comm_s(3, 1000, 1000, 2, 1, "fp16", rates) == 0.0, "one device talks to nobody"
 
 
-def test_a_decode_step_replayed_as_a_cuda_graph_by_hand():
+def test_a_decode_step_replayed_as_a_cuda_graph_by_hand(monkeypatch):
     """The eager loop reads the weights and the KV cache at its mean length per decoding step and pays
-    a dispatch cost per layer; the static step replayed as a graph attends over the whole fixed cache
-    and dispatches nothing per layer. FLOPs are made free so that bytes alone count."""
+    a dispatch cost per layer; the static step replayed as a graph attends over the cache up to the
+    end of its span (here the whole cache: 8 positions fit the first span) and dispatches nothing per
+    layer. FLOPs are made free so that bytes alone count."""
+    from rlhf import decode
+
+    # Spans of 4 positions, a prompt of 3 and an answer of 6: the tokens at positions 3..8 need 4..9
+    # positions, rounded up to 4, 8, 8, 8, 8 and the whole cache, 9.
+    monkeypatch.setattr(decode, "STATIC_SPAN", 4)
+    assert forecast.static_attended(3, 6) == pytest.approx((4 + 8 + 8 + 8 + 8 + 9) / 6)
+    monkeypatch.setattr(decode, "STATIC_SPAN", 0)
+    assert forecast.static_attended(3, 6) == 9
+    monkeypatch.undo()
     rates = forecast.Rates(flops=1e30, memory=1e9, link=1e9, layer_overhead_s=1e-3)
     weights = forecast.param_counts(TOY)[0] * 2  # fp16
     # 4 rows, prompts of 4, answers of 4: KV bytes = 2 (k, v) x 2 layers x 4 rows x length x 8 wide x 2 bytes.
