@@ -47,10 +47,17 @@ SETTINGS = {
                   "ffn_size": 8192, "vocab_size": OPT_VOCAB, "max_positions": 2048},
         "critic": {"name": "random-opt-350m", "num_layers": 24, "hidden_size": 1024, "num_heads": 16,
                    "ffn_size": 4096, "vocab_size": OPT_VOCAB, "max_positions": 2048},
+        # Llama 3.2 1B's shape (its config.json): grouped-query attention, 8 key/value heads for 32
+        # query heads, so its KV cache is a quarter of an OPT-1.3B's per token; a tied 128256-row head.
+        "gqa": {"name": "random-llama-3.2-1b", "family": "llama", "num_layers": 16, "hidden_size": 2048,
+                "num_heads": 32, "num_kv_heads": 8, "ffn_size": 8192, "vocab_size": 128256, "max_positions": 2048,
+                "tied_embeddings": True},
         "matmul": {"n": 8192, "dtype": "bf16"},
         # 5 warm-up steps (cuBLAS handles, allocator growth) then 4 logged windows of 5.
         "sft": {"seq": 512, "micro": 16, "log_every": 5, "warmup_windows": 1, "windows": 4},
         "ppo": {"prompt": 256, "answer": 256, "rollouts": 64, "micro": 16, "warmup": 2, "measured": 4},
+        # ZeRO-3's steps are slower (a cold run had not finished 6 in 150 s): one warm-up, two measured.
+        "ppo_zero3": {"warmup": 1, "measured": 2},
         # The PPO phase's rollout alone: 64 rows of 256 + 256 tokens, each way timed twice after a warm-up.
         "decode": {"prompt": 256, "answer": 256, "rows": 64, "repeats": 2, "copy_mb": 4096},
     },
@@ -60,9 +67,12 @@ SETTINGS = {
                   "ffn_size": 512, "vocab_size": 512, "max_positions": 256},
         "critic": {"name": "bench-tiny-critic", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                    "ffn_size": 256, "vocab_size": 512, "max_positions": 256},
+        "gqa": {"name": "bench-tiny-gqa", "family": "llama", "num_layers": 2, "hidden_size": 128, "num_heads": 4,
+                "num_kv_heads": 2, "ffn_size": 512, "vocab_size": 512, "max_positions": 256, "tied_embeddings": True},
         "matmul": {"n": 256, "dtype": "fp32"},
         "sft": {"seq": 64, "micro": 4, "log_every": 2, "warmup_windows": 1, "windows": 2},
         "ppo": {"prompt": 16, "answer": 16, "rollouts": 4, "micro": 2, "warmup": 1, "measured": 2},
+        "ppo_zero3": {"warmup": 1, "measured": 2},
         "decode": {"prompt": 16, "answer": 16, "rows": 4, "repeats": 1, "copy_mb": 16},
     },
 }
@@ -75,8 +85,9 @@ DATASHEET_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 
 
 def model_overrides(spec: dict) -> list[str]:
-    # tiny-opt is the random-init OPT file; the numbers below replace its toy shape.
-    return ["model=tiny-opt", *(f"model.{k}={v}" for k, v in spec.items())]
+    # tiny-opt (tiny-llama) is the random-init OPT (LLaMA) file; the numbers below replace its toy shape.
+    family = spec.get("family", "opt")
+    return [f"model=tiny-{family}", *(f"model.{k}={v}" for k, v in spec.items() if k != "family")]
 
 
 def hardware_overrides(tiny: bool) -> list[str]:
@@ -208,12 +219,13 @@ def phase_sft(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
     return result
 
 
-def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str = "ppo") -> dict:
-    from rlhf import models
-    from rlhf.config import compose_config
+def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str = "ppo",
+              steps_key: str = "ppo") -> dict:
+    from rlhf import memory, models
+    from rlhf.config import compose_config, to_schema
     from rlhf.launch import run
 
-    s = settings["ppo"]
+    s = {**settings["ppo"], **settings.get(steps_key, {})}
     actor, actor_build_s = build_model(settings["actor"])
     critic, critic_build_s = build_model(settings["critic"])
     tokenizer = models.load_tokenizer(actor)
@@ -221,8 +233,8 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
     rng = random.Random(1)
     rows = [{"prompt": exact_text(tokenizer, s["prompt"], rng, True), "chosen": " a", "rejected": " b"}
             for _ in range(s["rollouts"] * (steps + 1))]
-    write_rows(out / "data-ppo", rows, s["rollouts"])
-    overrides = [*model_overrides(settings["actor"]), "step=ppo", *common_overrides(out, name, tiny, out / "data-ppo",
+    write_rows(out / f"data-{name}", rows, s["rollouts"])
+    overrides = [*model_overrides(settings["actor"]), "step=ppo", *common_overrides(out, name, tiny, out / f"data-{name}",
                                                                                    "0,0,1"),
                  f"actor.path={actor}", f"critic.path={critic}", f"reward.path={critic}",
                  f"step.rollout_batch_size_per_device={s['rollouts']}", f"step.micro_batch_size_per_device={s['micro']}",
@@ -230,43 +242,65 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
                  f"step.min_new_tokens={s['answer']}", f"step.max_steps={steps}", "step.eval_prompts=0",
                  "step.eval_every_steps=0", "step.log_every_steps=1", *extra]
     cfg = compose_config(overrides)
+    schema = to_schema(cfg)
     t0 = time.perf_counter()
     run(cfg)
     wall = time.perf_counter() - t0
-    logged = [json.loads(line) for line in open(out / name / "metrics.jsonl") if "step_s" in line]
-    measured = logged[s["warmup"]:]
-    med = {k: median_of(measured, k) for k in ("generate_s", "experience_s", "train_s", "other_s", "step_s",
-                                                 "samples_per_s", "tflops")}
-    result = {"actor": settings["actor"]["name"], "critic_and_reward": settings["critic"]["name"],
-              "rollouts": s["rollouts"], "micro_batch": s["micro"], "prompt_tokens": s["prompt"],
-              "answer_tokens": median_of(measured, "answer_len"), "zero_stage": cfg.zero.stage,
-              "precision": cfg.hardware.precision, "warmup_steps": s["warmup"], "measured_steps": len(measured),
-              "model_build_s": round(actor_build_s + critic_build_s, 1), "run_wall_s": round(wall, 1),
-              **{k: round(v, 4) for k, v in med.items()},
-              # experience_s includes generation; the four scoring forwards are the rest of it.
-              "scoring_s": round(med["experience_s"] - med["generate_s"], 4),
-              "generated_tokens_per_s": round(s["rollouts"] * median_of(measured, "answer_len") / med["generate_s"], 1),
-              "step_s_each": [round(r["step_s"], 3) for r in measured],
-              "memory_gb": round(max(r["memory_gb"] for r in measured), 2),
-              "actor_params_m": round(param_count(actor) / 1e6, 1),
-              "critic_params_m": round(param_count(critic) / 1e6, 1)}
+    result = ppo_figures(out / name, s["warmup"], s["measured"])
+    result.update(actor=settings["actor"]["name"], critic_and_reward=settings["critic"]["name"],
+                  rollouts=s["rollouts"], micro_batch=s["micro"], prompt_tokens=s["prompt"],
+                  zero_stage=schema.zero.stage, precision=schema.hardware.precision,
+                  old_logprobs=schema.step.old_logprobs, decode_graph=schema.step.decode_graph,
+                  # ZeRO-3's way to generate (rlhf.memory.generation_gathering): 1 whole, t > 1 slices, 0 layer by layer.
+                  generation_gathering=memory.generation_gathering(schema),
+                  model_build_s=round(actor_build_s + critic_build_s, 1), run_wall_s=round(wall, 1),
+                  actor_params_m=round(param_count(actor) / 1e6, 1), critic_params_m=round(param_count(critic) / 1e6, 1))
     return result
 
 
-def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+def ppo_figures(run_dir: Path, warmup: int, planned: int) -> dict:
+    """A PPO run's step figures from its metrics.jsonl: medians of the steps after ``warmup`` (of every
+    step logged where no more came; ``partial``: fewer than ``warmup`` + ``planned`` steps were logged,
+    the run was stopped at its time limit), each phase of the step, and
+    ``rollout/logprob_diff``: how far the log-probs PPO's ratio divides by (the sampler's with
+    step.old_logprobs=rollout, a scoring forward's with recompute) are from a training forward's."""
+    logged = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"step_s"' in line]
+    if not logged:
+        raise RuntimeError(f"{run_dir}: no PPO step was logged")
+    measured = logged[warmup:] or logged
+    med = {k: median_of(measured, k) for k in ("generate_s", "experience_s", "train_s", "other_s", "step_s",
+                                                 "samples_per_s", "tflops", "answer_len", "rollout/logprob_diff")}
+    rollouts = round(measured[0]["samples_per_s"] * measured[0]["step_s"])  # every rank's, per step
+    return {"answer_tokens": med["answer_len"], "warmup_steps": len(logged) - len(measured),
+            "measured_steps": len(measured), "partial": len(logged) < warmup + planned,
+            **{k: round(v, 4) for k, v in med.items() if k not in ("answer_len", "rollout/logprob_diff")},
+            "logprob_diff": med["rollout/logprob_diff"],
+            # experience_s includes generation; the scoring forwards are the rest of it.
+            "scoring_s": round(med["experience_s"] - med["generate_s"], 4),
+            "generated_tokens_per_s": round(rollouts * med["answer_len"] / med["generate_s"], 1),
+            "step_s_each": [round(r["step_s"], 3) for r in measured],
+            "memory_gb": round(max(r["memory_gb"] for r in measured), 2)}
+
+
+def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str], spec_key: str = "actor") -> dict:
     """The rollout's decode loop alone on the PPO phase's actor and shapes (eos suppressed, every row
-    decodes ``answer`` tokens), the default loop against the static step (``rlhf.decode``'s
-    ``static``: recorded once as a CUDA graph, replayed per token), in ms per decoding step, beside
+    decodes ``answer`` tokens), in ms per decoding step: the default loop, the static step
+    (``rlhf.decode``'s ``static``: one CUDA graph per attention span, replayed per token) and the
+    same static step attending over the whole cache from the first token (STATIC_SPAN = 0), beside
     the floor the memory bus sets: a decoding step must read every weight and the KV cache up to its
     position once, so at the mean position (prompt + answer / 2) the floor is those bytes over the
     bandwidth, both the measured one (a large device-to-device copy: read + written bytes / time)
-    and the datasheet's."""
+    and the datasheet's. The KV cache's width comes from the model's own config (key/value heads x
+    head width: a grouped-query model's cache is a fraction of its hidden width). ``breakdown``:
+    where a static step's time goes (``decode_breakdown``)."""
     import torch
 
+    from rlhf import decode as decode_module
     from rlhf import models
     from rlhf.decode import decode
+    from rlhf.forecast import static_attended
 
-    s, spec = settings["decode"], settings["actor"]
+    s, spec = settings["decode"], settings[spec_key]
     path, _ = build_model(spec)
     tokenizer = models.load_tokenizer(path)
     device = "cpu" if tiny else "cuda"
@@ -276,63 +310,173 @@ def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dic
     ids = torch.randint(10, len(tokenizer), (s["rows"], s["prompt"]), generator=gen).to(device)
     mask = torch.ones_like(ids)
 
-    def timed(fn) -> float:
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    def run(static: bool, span: int = decode_module.STATIC_SPAN):
+        spans, decode_module.STATIC_SPAN = decode_module.STATIC_SPAN, span
+        try:
+            return decode(model, ids, mask, s["answer"], tokenizer.eos_token_id, tokenizer.pad_token_id,
+                          do_sample=True, temperature=DECODE_TEMPERATURE, min_new_tokens=s["answer"],
+                          with_logprobs=True, static=static)
+        finally:
+            decode_module.STATIC_SPAN = spans
 
-    def run(static: bool):
-        return decode(model, ids, mask, s["answer"], tokenizer.eos_token_id, tokenizer.pad_token_id, do_sample=True,
-                      temperature=DECODE_TEMPERATURE, min_new_tokens=s["answer"], with_logprobs=True, static=static)
-
-    result = {"model": spec["name"], "rows": s["rows"], "prompt_tokens": s["prompt"], "answer_tokens": s["answer"],
-              "precision": "fp32" if tiny else "bf16"}
-    for name, static in (("default", False), ("static_graph", True)):
-        run(static)  # warm-up: kernels chosen, allocator grown (and, static, one recording)
-        seconds = min(timed(lambda static=static: run(static)) for _ in range(s["repeats"]))
+    config = model.config
+    result = {"model": spec["name"], "family": config.model_type, "rows": s["rows"], "prompt_tokens": s["prompt"],
+              "answer_tokens": s["answer"], "precision": "fp32" if tiny else "bf16",
+              "static_span": decode_module.STATIC_SPAN}
+    variants = {"default": lambda: run(False), "static_graph": lambda: run(True),
+                "static_graph_whole_cache": lambda: run(True, 0)}
+    for name, fn in variants.items():
+        fn()  # warm-up: kernels chosen, allocator grown (and, static, the graphs recorded once)
+        seconds = min(timed(fn, device) for _ in range(s["repeats"]))
         result[f"{name}_ms_per_token"] = round(1e3 * seconds / s["answer"], 3)
         result[f"{name}_tokens_per_s"] = round(s["rows"] * s["answer"] / seconds, 1)
     torch.manual_seed(0)
     a = run(False)
     torch.manual_seed(0)
     b = run(True)
-    # Same seed, same tokens in exact arithmetic; in bf16 the two loops round differently (the static
-    # step attends over the whole fixed-length cache), and one flipped draw changes the rest of its
-    # row. So the check that matters is the one PPO relies on: each loop's log-probs against one plain
-    # forward of the model over its own tokens (PPO's ratio divides by them).
+    # Same seed, same tokens in exact arithmetic; in bf16 the two loops round differently, and one
+    # flipped draw changes the rest of its row. So the check that matters is the one PPO relies on:
+    # each loop's log-probs against one plain forward of the model over its own tokens (PPO's ratio
+    # divides by them).
     result["same_tokens"] = bool(torch.equal(a[0], b[0]))
     differs = (a[0] != b[0]).float()
     first = torch.where(differs.any(1), differs.argmax(1), torch.full_like(differs[:, 0], a[0].shape[1]))
     result["median_first_differing_token"] = float(first.float().median())
     for name, (tokens, logprobs) in (("default", a), ("static_graph", b)):
         gap = (logprobs - forward_logprobs(model, ids, mask, tokens, DECODE_TEMPERATURE, tokenizer.eos_token_id,
-                                               s["answer"])).abs()
+                                           s["answer"])).abs()
         result[f"{name}_logprob_vs_forward_max"] = float(gap.max())
         result[f"{name}_logprob_vs_forward_mean"] = float(gap.mean())
 
-    # Bytes one decoding step reads: the weights, and keys + values of every layer up to the mean position.
+    # Bytes one decoding step reads: the weights, and keys + values of every layer up to the position.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes_per_token = 2 * spec["num_layers"] * spec["hidden_size"] * torch.finfo(dtype).bits // 8
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     mean_position = s["prompt"] + s["answer"] / 2
     step_bytes = weight_bytes + s["rows"] * mean_position * kv_bytes_per_token
+    # What the static step reads: its spans' positions, on average over the answer.
+    static_bytes = weight_bytes + s["rows"] * static_attended(s["prompt"], s["answer"]) * kv_bytes_per_token
     src = torch.empty(s["copy_mb"] * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy_s = min(timed(lambda: dst.copy_(src)) for _ in range(5))
+    copy_s = min(timed(lambda: dst.copy_(src), device) for _ in range(5))
     measured_gbs = 2 * src.numel() / copy_s / 1e9
     sheet = datasheet_peak(DATASHEET_GBS)
-    result.update(weight_gb=round(weight_bytes / 1e9, 3), kv_gb_at_mean=round((step_bytes - weight_bytes) / 1e9, 3),
+    result.update(params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1), kv_heads=kv_heads,
+                  heads=config.num_attention_heads, weight_gb=round(weight_bytes / 1e9, 3),
+                  kv_gb_at_mean=round((step_bytes - weight_bytes) / 1e9, 3),
+                  kv_gb_static_reads=round((static_bytes - weight_bytes) / 1e9, 3),
                   measured_copy_gbs=round(measured_gbs, 1), datasheet_gbs=sheet,
-                  floor_ms_measured=round(1e3 * step_bytes / (measured_gbs * 1e9), 3))
+                  floor_ms_measured=round(1e3 * step_bytes / (measured_gbs * 1e9), 3),
+                  static_reads_ms_measured=round(1e3 * static_bytes / (measured_gbs * 1e9), 3))
     if sheet:
         result["floor_ms_datasheet"] = round(1e3 * step_bytes / (sheet * 1e9), 3)
-    for name in ("default", "static_graph"):
+    for name in variants:
         result[f"{name}_over_floor"] = round(result[f"{name}_ms_per_token"] / result["floor_ms_measured"], 2)
+    result["breakdown"] = decode_breakdown(model, ids, mask, s["answer"], tokenizer.eos_token_id, device)
     return result
+
+
+def timed(fn, device: str) -> float:
+    """Seconds ``fn()`` takes, the device's queue drained before and after."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+# Kernel (GPU) or operator (CPU) names by what they do in a decoding step, first match wins.
+KERNEL_KINDS = (
+    ("attention", ("fmha", "flash", "attention", "attn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear",
+                "aten::matmul", "splitk", "gemv")),
+    ("cache_write", ("index_copy", "indexcopy", "index_put", "scatter")),
+    ("norm", ("layer_norm", "layernorm", "rms", "norm")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) -> dict:
+    """Where a static decoding step's time goes, in ms per token: ``forward`` (the step's span graphs
+    replayed ``answer`` times with no sampling between; eagerly on CPU), ``graph_recording`` (what the
+    decode's first pass pays over that for its warm-up and captures), ``sampler`` (decode's own
+    per-token draw and log-prob, ``rlhf.decode.sample_token``, ``answer`` times on fixed logits); and
+    the forward's device time by kernel kind (``KERNEL_KINDS``) with the costliest kernels, from the
+    profiler over a few eager steps (a replayed graph hides its kernels from the profiler). The
+    whole loop's time minus forward and sampler is what neither explains: host gaps, bookkeeping."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlhf.decode import _own_forward, _StaticSteps, sample_token
+    from rlhf.losses import token_logprobs
+    from rlhf.sampling import Sampling
+
+    own = _own_forward(model, ids.shape[1] + answer)
+    if own is None:
+        return {"skipped": f"{type(model).__name__} has no static decode step"}
+    steps = _StaticSteps(own, ids, mask, answer)
+    with torch.no_grad():
+        logits = steps(None)
+        tok = logits.argmax(-1)
+
+        def feed():
+            for _ in range(answer):
+                steps(tok)
+
+        def rewind():
+            steps.at.fill_(steps.prompt)
+            steps.fed = 0
+            steps.valid[..., steps.prompt:] = False
+
+        first = timed(feed, device)  # records each span's graph on the way
+        rewind()
+        forward = timed(feed, device)
+        sampling = Sampling(max_new_tokens=answer, min_new_tokens=answer, do_sample=True,
+                            temperature=DECODE_TEMPERATURE)
+        eos = torch.tensor([eos_id], device=logits.device)
+
+        def sample():
+            for t in range(answer):
+                drawn, scaled = sample_token(logits, t, sampling, eos, True)
+                token_logprobs(scaled, drawn)
+
+        sample()
+        sampler = timed(sample, device)
+        rewind()
+        eager = 8
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(eager):
+                steps.tok.copy_(tok.unsqueeze(1))
+                steps.cache.span = steps.span()
+                steps.fed += 1
+                steps.token()
+            if device == "cuda":
+                torch.cuda.synchronize()
+    kinds, names = {}, {}
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
+        if device == "cuda" and evt.device_type.name != "CUDA" or us <= 0:
+            continue
+        kind = kernel_kind(evt.key)
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / eager
+        names[evt.key] = names.get(evt.key, 0.0) + us / 1e3 / eager
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:8]
+    return {"forward_ms_per_token": round(1e3 * forward / answer, 3),
+            "graph_recording_ms_per_token": round(1e3 * (first - forward) / answer, 3),
+            "sampler_ms_per_token": round(1e3 * sampler / answer, 3),
+            "eager_forward_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "eager_forward_top": [[name[:90], round(ms, 3)] for name, ms in top]}
 
 
 def forward_logprobs(model, ids, mask, tokens, temperature: float, eos_id: int, min_new: int):
@@ -365,13 +509,19 @@ def param_count(path: str) -> int:
 def phase_report(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
     import torch
 
-    phases = {p: json.loads((out / f"{p}.json").read_text()) for p in ("matmul", "sft", "sft_micro4x", "decode", "ppo", "ppo_graph")
-              if (out / f"{p}.json").exists()}
+    phases = {p: json.loads((out / f"{p}.json").read_text()) for p in PHASES if (out / f"{p}.json").exists()}
     failed = sorted(p.stem for p in out.glob("*.failed"))
+    for name in failed:  # a PPO phase stopped at its limit still has the steps it logged
+        if name in PPO_PHASES and (out / name / "metrics.jsonl").exists():
+            s = {**settings["ppo"], **settings.get(PPO_PHASES[name], {})}
+            try:
+                phases[name] = ppo_figures(out / name, s["warmup"], s["measured"])
+            except RuntimeError:
+                continue
     peak = datasheet_peak()
     env = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d"), "datasheet_bf16_tflops": peak}
+           "date": time.strftime("%Y-%m-%d"), "datasheet_bf16_tflops": peak, "commit": git_commit()}
     try:
         import deepspeed
         import transformers
@@ -392,10 +542,24 @@ def phase_report(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dic
     return summary
 
 
+def git_commit() -> str | None:
+    """The working tree's commit, '+' where it has changes: the figures' provenance."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
+
+
 def markdown(summary: dict) -> str:
     env = summary["env"]
     lines = [f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), deepspeed {env.get('deepspeed')}, "
-             f"transformers {env.get('transformers')}, {env['date']}", ""]
+             f"transformers {env.get('transformers')}, commit {env.get('commit')}, {env['date']}", ""]
     if m := summary.get("matmul"):
         lines.append(f"- matmul {m['n']}^3 {m['dtype']}: {m['tflops']} TFLOP/s measured"
                      + (f" (datasheet {env['datasheet_bf16_tflops']})" if env["datasheet_bf16_tflops"] else ""))
@@ -406,29 +570,42 @@ def markdown(summary: dict) -> str:
                      f"{s['precision']}: {s['tokens_per_s']:.0f} tokens/s, {s['tflops']:.1f} TFLOP/s{mfu}{frac}; "
                      f"{s['latency_s']:.3f} s/step, peak {s['memory_gb']} GB (median of {s['measured_steps']} steps "
                      f"after {s['warmup_steps']} warm-up)")
-    if d := summary.get("decode"):
-        lines.append(f"- decode {d['model']}, {d['rows']} rows of {d['prompt_tokens']} + {d['answer_tokens']} tokens, "
-                     f"{d['precision']}: default loop {d['default_ms_per_token']} ms/token "
-                     f"({d['default_over_floor']}x the bandwidth floor), static step recorded as a graph "
-                     f"{d['static_graph_ms_per_token']} ms/token ({d['static_graph_over_floor']}x); floor "
-                     f"{d['floor_ms_measured']} ms (weights {d['weight_gb']} GB + KV cache {d['kv_gb_at_mean']} GB at "
-                     f"the mean position over the measured {d['measured_copy_gbs']} GB/s"
-                     + (f"; {d['floor_ms_datasheet']} ms at the datasheet's {d['datasheet_gbs']:.0f} GB/s" if d.get(
-                         "floor_ms_datasheet") else "") + f"); same tokens: {d['same_tokens']} (rows agree up to "
-                     f"token {d['median_first_differing_token']:.0f}, median); log-probs against one forward over "
-                     f"the same tokens: default within {d['default_logprob_vs_forward_max']:.1e} (mean "
-                     f"{d['default_logprob_vs_forward_mean']:.1e}), static within "
-                     f"{d['static_graph_logprob_vs_forward_max']:.1e} (mean {d['static_graph_logprob_vs_forward_mean']:.1e})")
-    for key, label in (("ppo", "PPO"), ("ppo_graph", "PPO, step.decode_graph=true")):
+    for d in (summary[p] for p in ("decode", "decode_gqa") if p in summary):
+        lines.append(
+            f"- decode {d['model']} ({d['family']}, {d['params_m']}M, {d['heads']} heads / {d['kv_heads']} KV heads), "
+            f"{d['rows']} rows of {d['prompt_tokens']} + {d['answer_tokens']} tokens, {d['precision']}: default loop "
+            f"{d['default_ms_per_token']} ms/token ({d['default_over_floor']}x the bandwidth floor); static step as "
+            f"graphs over spans of {d['static_span']} positions {d['static_graph_ms_per_token']} ms/token "
+            f"({d['static_graph_over_floor']}x), over the whole cache {d['static_graph_whole_cache_ms_per_token']} "
+            f"ms/token ({d['static_graph_whole_cache_over_floor']}x); floor {d['floor_ms_measured']} ms (weights "
+            f"{d['weight_gb']} GB + KV cache {d['kv_gb_at_mean']} GB at the mean position over the measured "
+            f"{d['measured_copy_gbs']} GB/s" + (f"; {d['floor_ms_datasheet']} ms at the datasheet's "
+                                               f"{d['datasheet_gbs']:.0f} GB/s" if d.get("floor_ms_datasheet") else "")
+            + f"; the spans read {d['kv_gb_static_reads']} GB of cache, {d['static_reads_ms_measured']} ms); same "
+            f"tokens: {d['same_tokens']} (rows agree up to token {d['median_first_differing_token']:.0f}, median); "
+            f"log-probs against one forward over the same tokens: default within "
+            f"{d['default_logprob_vs_forward_max']:.1e} (mean {d['default_logprob_vs_forward_mean']:.1e}), static "
+            f"within {d['static_graph_logprob_vs_forward_max']:.1e} (mean {d['static_graph_logprob_vs_forward_mean']:.1e})")
+        if "forward_ms_per_token" in (b := d.get("breakdown", {})):
+            kinds = ", ".join(f"{k} {v}" for k, v in b["eager_forward_ms_by_kind"].items())
+            lines.append(f"  - where a static step goes, ms per token: forward {b['forward_ms_per_token']}, sampler "
+                         f"and log-prob {b['sampler_ms_per_token']}, graph recording {b['graph_recording_ms_per_token']};"
+                         f" the eager forward's device time by kind: {kinds}")
+    for key, label in (("ppo", "PPO"), ("ppo_graph", "PPO, step.decode_graph=true"),
+                       ("ppo_fast", "PPO, step.decode_graph=true step.old_logprobs=rollout"),
+                       ("ppo_zero3", "PPO, ZeRO-3")):
         if p := summary.get(key):
-            lines.append(f"- {label}: actor {p['actor']} ({p['actor_params_m']}M), critic and reward {p['critic_and_reward']} "
-                         f"({p['critic_params_m']}M), {p['rollouts']} rollouts "
-                         f"of {p['prompt_tokens']} + {p['answer_tokens']:.0f} tokens, micro batch {p['micro_batch']}, "
-                         f"ZeRO-{p['zero_stage']}, {p['precision']}: step {p['step_s']:.2f} s = generate "
+            about = (f"actor {p['actor']} ({p['actor_params_m']}M), critic and reward {p['critic_and_reward']} "
+                     f"({p['critic_params_m']}M), {p['rollouts']} rollouts of {p['prompt_tokens']} + "
+                     f"{p['answer_tokens']:.0f} tokens, micro batch {p['micro_batch']}, ZeRO-{p['zero_stage']}, "
+                     f"{p['precision']}, old log-probs {p['old_logprobs']}: " if "actor" in p else
+                     "stopped at its time limit, from the steps it logged: ")
+            lines.append(f"- {label}: {about}step {p['step_s']:.2f} s = generate "
                          f"{p['generate_s']:.2f} + scoring {p['scoring_s']:.2f} + train {p['train_s']:.2f} + other "
                          f"{p['other_s']:.2f}; {p['generated_tokens_per_s']:.0f} generated tokens/s, "
-                         f"{p['samples_per_s']:.2f} samples/s, {p['tflops']:.1f} TFLOP/s, peak {p['memory_gb']} GB "
-                         f"(median of {p['measured_steps']} steps after {p['warmup_steps']} warm-up)")
+                         f"{p['samples_per_s']:.2f} samples/s, {p['tflops']:.1f} TFLOP/s, peak {p['memory_gb']} GB; "
+                         f"rollout/logprob_diff {p['logprob_diff']:.1e} (median of {p['measured_steps']} steps after "
+                         f"{p['warmup_steps']} warm-up{', partial' if p['partial'] else ''})")
     if summary["failed_phases"]:
         lines.append(f"- failed: {', '.join(summary['failed_phases'])} (see the log)")
     return "\n".join(lines) + "\n"
@@ -445,9 +622,31 @@ def phase_ppo_graph(settings: dict, out: Path, tiny: bool, extra: list[str]) -> 
     return phase_ppo(settings, out, tiny, ["step.decode_graph=true", *extra], "ppo_graph")
 
 
+def phase_ppo_fast(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+    """``ppo_graph`` with PPO's old log-probs taken from the sampler (step.old_logprobs=rollout), not
+    from a scoring forward of the actor: one 1.3B forward over every rollout less per step, at the
+    price ``logprob_diff`` shows (bf16's auto setting recomputes them: the decode step and a full
+    forward round differently)."""
+    return phase_ppo(settings, out, tiny, ["step.decode_graph=true", "step.old_logprobs=rollout", *extra], "ppo_fast")
+
+
+def phase_ppo_zero3(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+    """The PPO phase under ZeRO-3 (every engine partitioned; on one GPU the actor generates gathered
+    whole: tensor-parallel slices need a group of ranks), one warm-up and two measured steps; its
+    figures from whatever steps were logged if it meets its time limit (``report``)."""
+    return phase_ppo(settings, out, tiny, [*extra, "zero=3"], "ppo_zero3", "ppo_zero3")
+
+
+def phase_decode_gqa(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
+    """The decode phase on a grouped-query model of Llama 3.2 1B's shape, against its own floor."""
+    return phase_decode(settings, out, tiny, extra, "gqa")
+
+
 PHASES = {"matmul": phase_matmul, "sft": phase_sft, "sft_micro4x": phase_sft_micro4x, "decode": phase_decode,
-          "ppo": phase_ppo,
-          "ppo_graph": phase_ppo_graph, "report": phase_report}
+          "decode_gqa": phase_decode_gqa, "ppo": phase_ppo, "ppo_graph": phase_ppo_graph, "ppo_fast": phase_ppo_fast,
+          "ppo_zero3": phase_ppo_zero3, "report": phase_report}
+# The PPO phases: a report reads the steps logged by one that met its time limit.
+PPO_PHASES = {"ppo": "ppo", "ppo_graph": "ppo", "ppo_fast": "ppo", "ppo_zero3": "ppo_zero3"}
 
 
 def main() -> None:
