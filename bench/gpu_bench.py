@@ -199,7 +199,8 @@ def phase_sft(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
                  f"step.max_seq_len={s['seq']}", f"step.micro_batch_size_per_device={s['micro']}",
                  f"step.eval_micro_batch_size_per_device={s['micro']}", "step.loss_on=all",
                  f"step.max_steps={steps}", f"step.log_every_steps={s['log_every']}", "step.eval_every_steps=0",
-                 *extra]
+                 # The last warm-up step, outside every measured window (the profiler slows its step).
+                 f"logging.profile_step={s['log_every'] * s['warmup_windows']}", *extra]
     cfg = compose_config(overrides)
     t0 = time.perf_counter()
     run(cfg)
@@ -216,6 +217,7 @@ def phase_sft(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
     result["tflops_windows"] = [round(r["tflops"], 2) for r in measured]
     result["memory_gb"] = round(max(r["memory_gb"] for r in measured), 2)
     result["params_m"] = round(param_count(path) / 1e6, 1)
+    result["profile"] = step_profile(out / name)
     return result
 
 
@@ -240,7 +242,7 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
                  f"step.rollout_batch_size_per_device={s['rollouts']}", f"step.micro_batch_size_per_device={s['micro']}",
                  f"step.max_prompt_len={s['prompt']}", f"step.max_new_tokens={s['answer']}",
                  f"step.min_new_tokens={s['answer']}", f"step.max_steps={steps}", "step.eval_prompts=0",
-                 "step.eval_every_steps=0", "step.log_every_steps=1", *extra]
+                 "step.eval_every_steps=0", "step.log_every_steps=1", f"logging.profile_step={s['warmup']}", *extra]
     cfg = compose_config(overrides)
     schema = to_schema(cfg)
     t0 = time.perf_counter()
@@ -254,8 +256,16 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
                   # ZeRO-3's way to generate (rlhf.memory.generation_gathering): 1 whole, t > 1 slices, 0 layer by layer.
                   generation_gathering=memory.generation_gathering(schema),
                   model_build_s=round(actor_build_s + critic_build_s, 1), run_wall_s=round(wall, 1),
-                  actor_params_m=round(param_count(actor) / 1e6, 1), critic_params_m=round(param_count(critic) / 1e6, 1))
+                  actor_params_m=round(param_count(actor) / 1e6, 1), critic_params_m=round(param_count(critic) / 1e6, 1),
+                  profile=step_profile(out / name))
     return result
+
+
+def step_profile(run_dir: Path) -> dict:
+    """The run's profiled step (logging.profile_step, rlhf.profiling): wall, busy and idle ms, device
+    time by kernel kind, the costliest kernels."""
+    path = run_dir / "profile" / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def ppo_figures(run_dir: Path, warmup: int, planned: int) -> dict:
@@ -391,27 +401,12 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
-# Kernel (GPU) or operator (CPU) names by what they do in a decoding step, first match wins.
-KERNEL_KINDS = (
-    ("attention", ("fmha", "flash", "attention", "attn")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear",
-                "aten::matmul", "splitk", "gemv")),
-    ("cache_write", ("index_copy", "indexcopy", "index_put", "scatter")),
-    ("norm", ("layer_norm", "layernorm", "rms", "norm")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
-
-
 def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) -> dict:
     """Where a static decoding step's time goes, in ms per token: ``forward`` (the step's span graphs
     replayed ``answer`` times with no sampling between; eagerly on CPU), ``graph_recording`` (what the
     decode's first pass pays over that for its warm-up and captures), ``sampler`` (decode's own
     per-token draw and log-prob, ``rlhf.decode.sample_token``, ``answer`` times on fixed logits); and
-    the forward's device time by kernel kind (``KERNEL_KINDS``) with the costliest kernels, from the
+    the forward's device time by kernel kind (``rlhf.profiling.KERNEL_KINDS``) with the costliest kernels, from the
     profiler over a few eager steps (a replayed graph hides its kernels from the profiler). The
     whole loop's time minus forward and sampler is what neither explains: host gaps, bookkeeping."""
     import torch
@@ -419,6 +414,7 @@ def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) ->
 
     from rlhf.decode import _own_forward, _StaticSteps, sample_token
     from rlhf.losses import token_logprobs
+    from rlhf.profiling import device_times
     from rlhf.sampling import Sampling
 
     own = _own_forward(model, ids.shape[1] + answer)
@@ -463,20 +459,11 @@ def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) ->
                 steps.token()
             if device == "cuda":
                 torch.cuda.synchronize()
-    kinds, names = {}, {}
-    for evt in prof.key_averages():
-        us = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
-        if device == "cuda" and evt.device_type.name != "CUDA" or us <= 0:
-            continue
-        kind = kernel_kind(evt.key)
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / eager
-        names[evt.key] = names.get(evt.key, 0.0) + us / 1e3 / eager
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:8]
+    kernels = device_times(prof, per=eager)
     return {"forward_ms_per_token": round(1e3 * forward / answer, 3),
             "graph_recording_ms_per_token": round(1e3 * (first - forward) / answer, 3),
             "sampler_ms_per_token": round(1e3 * sampler / answer, 3),
-            "eager_forward_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "eager_forward_top": [[name[:90], round(ms, 3)] for name, ms in top]}
+            "eager_forward_ms_by_kind": kernels["by_kind_ms"], "eager_forward_top": kernels["top_ms"]}
 
 
 def forward_logprobs(model, ids, mask, tokens, temperature: float, eos_id: int, min_new: int):
@@ -570,6 +557,7 @@ def markdown(summary: dict) -> str:
                      f"{s['precision']}: {s['tokens_per_s']:.0f} tokens/s, {s['tflops']:.1f} TFLOP/s{mfu}{frac}; "
                      f"{s['latency_s']:.3f} s/step, peak {s['memory_gb']} GB (median of {s['measured_steps']} steps "
                      f"after {s['warmup_steps']} warm-up)")
+        lines += profile_lines(s)
     for d in (summary[p] for p in ("decode", "decode_gqa") if p in summary):
         lines.append(
             f"- decode {d['model']} ({d['family']}, {d['params_m']}M, {d['heads']} heads / {d['kv_heads']} KV heads), "
@@ -606,9 +594,19 @@ def markdown(summary: dict) -> str:
                          f"{p['samples_per_s']:.2f} samples/s, {p['tflops']:.1f} TFLOP/s, peak {p['memory_gb']} GB; "
                          f"rollout/logprob_diff {p['logprob_diff']:.1e} (median of {p['measured_steps']} steps after "
                          f"{p['warmup_steps']} warm-up{', partial' if p['partial'] else ''})")
+            lines += profile_lines(p)
     if summary["failed_phases"]:
         lines.append(f"- failed: {', '.join(summary['failed_phases'])} (see the log)")
     return "\n".join(lines) + "\n"
+
+
+def profile_lines(phase: dict) -> list[str]:
+    """The phase's profiled step (``step_profile``) as one sub-line, or none."""
+    if not (prof := phase.get("profile")):
+        return []
+    kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["by_kind_ms"].items())
+    return [f"  - profiled step {prof['step']} (a warm-up step, slowed by the profiler): {prof['wall_ms']:.0f} ms, "
+            f"the device busy {prof['busy_ms']:.0f} ms ({kinds}), idle {prof['idle_ms']:.0f} ms"]
 
 
 def phase_sft_micro4x(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:

@@ -59,6 +59,10 @@ def test_gpu_bench_script_runs_every_phase_at_toy_size(tmp_path):
     for phase in ("ppo", "ppo_graph", "ppo_fast", "ppo_zero3"):
         assert summary[phase]["measured_steps"] == 2 and summary[phase]["generate_s"] > 0, phase
         assert not summary[phase]["partial"] and summary[phase]["logprob_diff"] >= 0, phase
+        # The last warm-up step is profiled (logging.profile_step), outside the measured steps.
+        assert summary[phase]["profile"]["step"] == summary[phase]["warmup_steps"], phase
+    assert summary["sft"]["profile"]["step"] == summary["sft"]["warmup_steps"]
+    assert summary["sft"]["profile"]["by_kind_ms"]["matmul"] > 0
     assert "static step as graphs over spans" in (out / "summary.md").read_text()
 
     # A PPO phase killed at its time limit after two of its three steps: the report gives the one

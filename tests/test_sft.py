@@ -212,3 +212,23 @@ def test_constant_answer_accuracy_and_the_bar_by_hand():
     assert constant_answer_accuracy(rule, ["xa", "ya", "zb", "wc"], list("aaabbc"), top=1) == (0.5, "a")
     assert constant_answer_accuracy(rule, ["xb", "yb"], list("aaabbc"), top=1) == (0.0, "a")
     assert accuracy_bar(0.3, 0.0) == 0.3 and accuracy_bar(0.3, 0.5) == pytest.approx(0.65)
+
+
+def test_profile_step_writes_the_step_s_kernel_times_and_a_trace(tmp_path):
+    """logging.profile_step=3 profiles optimizer step 3 alone: its summary names the step, a wall time
+    at least the device's busy time, the matrix products among the kinds, and a trace Perfetto opens."""
+    import gzip
+
+    run(compose(["step.max_steps=4", "step.log_every_steps=2", "data.max_eval_samples=16", "logging.progress_bar=false",
+                 "step.eval_every_steps=0", "logging.profile_step=3", f"run_dir={tmp_path}"]))
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["device"] == "cpu"
+    assert 0 < summary["busy_ms"] <= summary["wall_ms"] and summary["by_kind_ms"]["matmul"] > 0
+    assert summary["busy_ms"] == pytest.approx(sum(summary["by_kind_ms"].values()), abs=0.01)
+    trace = json.loads(gzip.open(tmp_path / "profile" / "trace.json.gz").read())
+    assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
+
+
+def test_profile_step_is_refused_below_zero():
+    with pytest.raises(ConfigError, match="logging.profile_step"):
+        to_schema(compose(["logging.profile_step=-1"]))

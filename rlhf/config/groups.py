@@ -425,8 +425,11 @@ class LoggingConfig:
     wandb_group: str = ""
     # Also write TensorBoard event files into RUN_DIR/tensorboard.
     tensorboard: bool = False
+    # Profile this optimizer step (PPO: PPO step) with torch.profiler (rlhf.profiling); 0: off.
+    profile_step: int = 0
 
     def __post_init__(self) -> None:
+        _positive("logging.profile_step", self.profile_step, allow_zero=True)
         if self.wandb_mode not in ("", "online", "offline", "disabled"):
             raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r}: online, offline, disabled, or empty for W&B's "
                               "own settings")

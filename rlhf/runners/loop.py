@@ -20,6 +20,7 @@ from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.distributed import mean_over_ranks
 from rlhf.logging import format_line
+from rlhf.profiling import StepProfiler
 from rlhf.runners import common
 
 
@@ -35,10 +36,11 @@ def train(cfg: Config, engine, loader, sampler, ckpt, state: common.LoopState, l
     meter = common.Throughput(cfg, n_params, world)
     meter.micro = state.window_micro
     skip = state.batch_index
-    stop = StopRequest()
+    stop, profiler = StopRequest(), StepProfiler(cfg, rank)
     bar = tqdm(total=state.total_steps, initial=state.step, desc=name, disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(state.epoch, step_cfg.epochs):
         for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
+            profiler.before(state.step + 1)
             loss, sums = micro_step(batch)
             value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, what)
             state.window["loss"] += value
@@ -47,6 +49,7 @@ def train(cfg: Config, engine, loader, sampler, ckpt, state: common.LoopState, l
             if not boundary:
                 continue
             state.step += 1
+            profiler.after(state.step)
             bar.update(1)
             if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
                 metrics = mean_over_ranks({k: v / meter.micro for k, v in state.window.items()})

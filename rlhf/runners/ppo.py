@@ -42,6 +42,7 @@ from rlhf.checkpoint import (
 )
 from rlhf.config import Config, ConfigError, ppo_updates_per_step
 from rlhf.logging import peak_memory_gb
+from rlhf.profiling import StepProfiler
 from rlhf.runners.common import finish, open_logger, say
 from rlhf.runners.ppo_experience import make_experience, rollout_metrics
 from rlhf.runners.ppo_judge import Judge
@@ -173,12 +174,15 @@ def _train(setup: Setup, state: PPOState) -> None:
     cfg, judge, ckpt, logger, steps = setup.cfg, setup.judge, setup.ckpt, setup.logger, setup.prompts.steps
     step_cfg, rank = cfg.step, dist.get_rank()
     stop, start_epoch, skip = StopRequest(), state.epoch, state.batch_index
+    profiler = StepProfiler(cfg, rank)
     bar = tqdm(total=steps, initial=state.step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(start_epoch, step_cfg.epochs):
         for index, batch in _prompt_batches(setup.prompts, epoch, state.rng if epoch == start_epoch else None, skip):
+            profiler.before(state.step + 1)
             metrics = train_step(setup, state, batch, epoch)
             _ema_update(state.ema, setup.roles.actor, step_cfg.ema_decay)
             state.step, state.last_kl = state.step + 1, metrics["kl"]
+            profiler.after(state.step)
             ckpt.stop_if_nonfinite(state.step, state.saved(judge, epoch, index + 1), "PPO loss", metrics["loss"],
                                    unit="PPO step")
             logger.log(metrics, step=state.step)
