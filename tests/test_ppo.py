@@ -687,3 +687,65 @@ def test_old_logprobs_are_recomputed_in_16_bit_and_the_run_says_which_it_used(tm
                          "step.advantage_estimator=reinforce_pp", "step.max_steps=1", "step.save_model=false",
                          f"run_dir={tmp_path}"]))
     assert final["old_logprobs"] == "rollout"
+
+
+class _ReadBacks(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls made from ``path`` that read a value back to the host (each waits for
+    the device to finish everything queued before it)."""
+
+    NAMES = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero"}
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.count = path, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        if getattr(func, "__name__", "") in self.NAMES and sys._getframe(1).f_code.co_filename == self.path:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_ppo_update_reads_back_to_the_host_once_per_pass_and_once_at_the_end():
+    """Two passes of four micro-batches through real engines (actor and critic): the update reads its
+    figures back once, when it ends, and each pass's token counts (summed over ranks) once, not a
+    figure per micro-batch; the figures are finite and the same as before the change of where they
+    add up (losses logged per optimizer step)."""
+    import dataclasses
+
+    from rlhf import engine as engine_factory
+    from rlhf import losses, models
+    from rlhf.rollout import Experience, Scores, answer_logits, position_ids
+    from rlhf.runners import ppo_update as update_module
+    from rlhf.sampling import Sampling
+    from rlhf.worker import init_distributed
+    from tests.loss_agg_worker import ANSWER, EOS, PROMPT, ROWS, batch
+
+    cfg = to_schema(compose(["step=ppo", "model=tiny-llama", "hardware.precision=fp32", "step.ppo_epochs=2",
+                             "step.micro_batch_size_per_device=2", f"step.rollout_batch_size_per_device={ROWS}",
+                             f"step.max_new_tokens={ANSWER}", "step.reward_fn=rule", "step.reward_model_weight=0"]))
+    init_distributed(cfg)
+    path = models.resolve_path(cfg.model)
+    tokenizer = models.load_tokenizer(path)
+    actor, _ = engine_factory.build_train_engine(models.load_causal_lm(path, tokenizer), cfg, 8)
+    critic, _ = engine_factory.build_train_engine(models.load_reward_model(path, tokenizer), cfg, 8,
+                                                  lr=cfg.step.critic_lr, use_lora=False)
+    seq, attn, response, mask, g = batch(actor.module.config.vocab_size)
+    pos, start = position_ids(attn), PROMPT - 1
+    with torch.no_grad():
+        old = losses.token_logprobs(answer_logits(actor.module, seq, attn, pos, start), response, 0.7)
+    values = torch.randn(ROWS, ANSWER, generator=g)
+    step_cfg = dataclasses.replace(cfg.step, temperature=0.7, global_batch_size=None)
+    exp = Experience(seq=seq, attn=attn, pos=pos, response=response, mask=mask, loss_mask=mask,
+                     truncated=~(response == EOS).any(-1), eos_id=EOS, start=start, sampling=Sampling.of(step_cfg),
+                     old_logprobs=old, ref_logprobs=old, old_values=values, advantages=torch.randn(ROWS, ANSWER,
+                                                                                                generator=g),
+                     returns=values + 0.1, kl=torch.zeros(ROWS), kl_k1=torch.zeros(ROWS), prompts=[""] * ROWS,
+                     answers=[""] * ROWS, scores=Scores(total=torch.zeros(ROWS)), generate_s=0.0)
+    with _ReadBacks(update_module.__file__) as reads:
+        out = update_module.ppo_update(actor, critic, exp, step_cfg, 0.1, torch.Generator().manual_seed(0), None)
+    assert reads.count == step_cfg.ppo_epochs + 1, reads.count
+    assert all(math.isfinite(v) for v in out.values()) and out["value_loss"] > 0 and out["entropy"] > 0
+    # The first micro-batch's log-probs are the old ones before any update: the same forward.
+    assert out["rollout/logprob_diff"] < 1e-5

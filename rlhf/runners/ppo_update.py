@@ -40,16 +40,24 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     scale = accumulation * world_size()
     agg, budget = step_cfg.loss_agg, exp.sampling.max_new_tokens
     token_col = 0 if losses.LOSS_AGGS[agg].unit == "token" else 1  # the column of step_counts agg divides by
-    sums = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
+    # The logged sums stay on the device until the update ends: a read-back per figure and micro
+    # batch would make the host wait for the device each time, and the device then idles while the
+    # host queues the next micro batch's kernels.
+    sums = {}
+
+    def add(key: str, value: torch.Tensor, factor: float = 1.0) -> None:
+        value = value.detach().double() * factor
+        sums[key] = sums[key] + value if key in sums else value
+
     count = steps = 0
     start = exp.start
     for epoch in range(step_cfg.ppo_epochs):
         order = torch.randperm(n, generator=generator)
-        counts = step_counts(exp, order, micro, accumulation)
+        counts = step_counts(exp, order, micro, accumulation).tolist()  # on the host already: no wait
         for j, i in enumerate(range(0, n, micro)):
             idx = order[i:i + micro].to(exp.seq.device)
             mask = exp.loss_mask[idx]
-            denom, tokens = counts[j // accumulation, token_col].item(), counts[j // accumulation, 0].item()
+            denom, tokens = counts[j // accumulation][token_col], counts[j // accumulation][0]
             logits = losses.forbid_early_eos(answer_logits(actor, exp.seq[idx], exp.attn[idx], exp.pos[idx], start),
                                              exp.eos_id, exp.sampling.min_new_tokens)
             logprobs, token_entropy = losses.token_logprobs_and_entropy(
@@ -60,7 +68,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
             if step_cfg.kl_in == "loss":  # GRPO's place for the KL: its gradient pulls toward the reference
                 kl_tokens = losses.kl_penalty(logprobs, exp.ref_logprobs[idx], step_cfg.kl_estimator)
                 per_token = per_token + kl_coef * kl_tokens
-                sums["kl_loss"] += world_size() * losses.aggregate(kl_tokens.detach(), mask, agg, denom, budget).item()
+                add("kl_loss", losses.aggregate(kl_tokens.detach(), mask, agg, denom, budget), world_size())
             if step_cfg.entropy_coef > 0:
                 per_token = per_token - step_cfg.entropy_coef * token_entropy
             loss = scale * losses.aggregate(per_token, mask, agg, denom, budget)
@@ -68,12 +76,12 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
                 ptx = next(ptx_iter)
                 ptx_loss = actor(**{k: v.to(actor.device) for k, v in ptx.items()}).loss
                 loss = loss + step_cfg.ptx_coef * ptx_loss
-                sums["ptx_loss"] += ptx_loss.item() / accumulation
+                add("ptx_loss", ptx_loss, 1 / accumulation)
             # Every term that reaches backward, on the scale of the other logged losses: the non-finite
             # stop reads this sum, so no term (entropy bonus, ptx) can poison the weights unseen.
-            sums["loss"] += loss.item() / accumulation
+            add("loss", loss, 1 / accumulation)
             if epoch == 0 and i == 0:  # how far the sampler's log-probs are from a training forward's
-                sums["logprob_diff"] = losses.masked_mean((logprobs.detach() - exp.old_logprobs[idx]).abs(), mask).item()
+                add("logprob_diff", losses.masked_mean((logprobs.detach() - exp.old_logprobs[idx]).abs(), mask))
             actor.backward(loss)
             actor.step()
 
@@ -84,17 +92,20 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
                 v_loss = losses.aggregate(v_err, mask, "token_mean", tokens, budget)
                 critic.backward(scale * step_cfg.vf_coef * v_loss)
                 critic.step()
-                sums["value_loss"] += world_size() * v_loss.item()
-                sums["loss"] += world_size() * step_cfg.vf_coef * v_loss.item()
+                add("value_loss", v_loss, world_size())
+                add("loss", v_loss, world_size() * step_cfg.vf_coef)
 
             # Logged per optimizer step: this rank's share x ranks, the step's loss where ranks agree.
-            sums["policy_loss"] += world_size() * losses.aggregate(pg_tokens.detach(), mask, agg, denom, budget).item()
-            sums["entropy"] += losses.masked_mean(token_entropy.detach(), mask).item()
-            sums["clip_frac"] += losses.masked_mean(clipped.float(), mask).item()
+            add("policy_loss", losses.aggregate(pg_tokens.detach(), mask, agg, denom, budget), world_size())
+            add("entropy", losses.masked_mean(token_entropy.detach(), mask))
+            add("clip_frac", losses.masked_mean(clipped.float(), mask))
             count += 1
             steps += (j + 1) % accumulation == 0
-    out = {k: v / (count if k in ("entropy", "clip_frac") else steps) for k, v in sums.items() if k != "logprob_diff"}
-    out["rollout/logprob_diff"] = sums["logprob_diff"]
+    keys = list(sums)
+    host = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
+    host.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))  # one read-back
+    out = {k: v / (count if k in ("entropy", "clip_frac") else steps) for k, v in host.items() if k != "logprob_diff"}
+    out["rollout/logprob_diff"] = host["logprob_diff"]
     if critic is None:
         del out["value_loss"]
     if step_cfg.kl_in != "loss":
