@@ -463,7 +463,8 @@ def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) ->
     return {"forward_ms_per_token": round(1e3 * forward / answer, 3),
             "graph_recording_ms_per_token": round(1e3 * (first - forward) / answer, 3),
             "sampler_ms_per_token": round(1e3 * sampler / answer, 3),
-            "eager_forward_ms_by_kind": kernels["by_kind_ms"], "eager_forward_top": kernels["top_ms"]}
+            "eager_forward_kernels": kernels["kernels"], "eager_forward_ms_by_kind": kernels["by_kind_ms"],
+            "eager_forward_top": kernels["top_ms"]}
 
 
 def forward_logprobs(model, ids, mask, tokens, temperature: float, eos_id: int, min_new: int):
@@ -578,7 +579,7 @@ def markdown(summary: dict) -> str:
             kinds = ", ".join(f"{k} {v}" for k, v in b["eager_forward_ms_by_kind"].items())
             lines.append(f"  - where a static step goes, ms per token: forward {b['forward_ms_per_token']}, sampler "
                          f"and log-prob {b['sampler_ms_per_token']}, graph recording {b['graph_recording_ms_per_token']};"
-                         f" the eager forward's device time by kind: {kinds}")
+                         f" the eager forward: {b['eager_forward_kernels']:.0f} kernels, device time by kind: {kinds}")
     for key, label in (("ppo", "PPO"), ("ppo_graph", "PPO, step.decode_graph=true"),
                        ("ppo_fast", "PPO, step.decode_graph=true step.old_logprobs=rollout"),
                        ("ppo_zero3", "PPO, ZeRO-3")):
@@ -606,7 +607,8 @@ def profile_lines(phase: dict) -> list[str]:
         return []
     kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["by_kind_ms"].items())
     return [f"  - profiled step {prof['step']} (a warm-up step, slowed by the profiler): {prof['wall_ms']:.0f} ms, "
-            f"the device busy {prof['busy_ms']:.0f} ms ({kinds}), idle {prof['idle_ms']:.0f} ms"]
+            f"the device busy {prof['busy_ms']:.0f} ms in {prof['kernels']:.0f} kernels ({kinds}), idle "
+            f"{prof['idle_ms']:.0f} ms"]
 
 
 def phase_sft_micro4x(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:

@@ -44,10 +44,11 @@ def kernel_kind(name: str) -> str:
 
 def device_times(prof, per: int = 1, top: int = 12) -> dict:
     """From a finished ``torch.profiler.profile``: the device's busy time (GPU kernels; on CPU the
-    operators' own time) in ms, by kernel kind, and the ``top`` costliest kernels, each divided by
-    ``per`` (the number of repeats profiled)."""
+    operators' own time) in ms, by kernel kind, the ``top`` costliest kernels, and how many kernels
+    (operators) ran, each divided by ``per`` (the number of repeats profiled). Many short kernels
+    point at launch latency, which no kernel's speed fixes: fewer, larger ones do."""
     cuda = any(evt.device_type.name == "CUDA" for evt in prof.key_averages())
-    kinds, names = {}, {}
+    kinds, names, launched = {}, {}, 0
     for evt in prof.key_averages():
         if cuda and evt.device_type.name != "CUDA":
             continue
@@ -56,7 +57,9 @@ def device_times(prof, per: int = 1, top: int = 12) -> dict:
             continue
         kinds[kernel_kind(evt.key)] = kinds.get(kernel_kind(evt.key), 0.0) + us / 1e3 / per
         names[evt.key] = names.get(evt.key, 0.0) + us / 1e3 / per
+        launched += evt.count
     return {"device": "cuda" if cuda else "cpu", "busy_ms": round(sum(kinds.values()), 3),
+            "kernels": round(launched / per, 1),
             "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top_ms": [[name[:120], round(ms, 3)] for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:top]]}
 
