@@ -141,7 +141,9 @@ def own_configs() -> dict:
         return to_schema(compose([*model, "hardware=h200", "step=ppo", "critic.model=opt-350m",
                                   "step.rollout_batch_size_per_device=64", "step.micro_batch_size_per_device=16",
                                   "step.max_prompt_len=256", "step.max_new_tokens=256", "step.max_steps=1",
-                                  f"step.decode_graph={str(graph).lower()}"]))
+                                  # The measured runs took the sampler's log-probs (the default then;
+                                  # bf16's auto now recomputes them with one more actor forward).
+                                  "step.old_logprobs=rollout", f"step.decode_graph={str(graph).lower()}"]))
 
     # docs/benchmarks.md, `bash bench/gpu.sh`: phases sft, sft_micro4x, ppo, ppo_graph.
     return {"sft 16 rows": (sft(16), 0.231, (512, 256)), "sft 64 rows": (sft(64), 0.573, (512, 256)),
