@@ -615,6 +615,12 @@ def test_ppo_stops_on_its_plateau_with_the_last_actors_figures_and_says_why(tmp_
     assert "eval/accuracy" in rows[-1] and final["eval/accuracy_last"] == 0.0, "the last actor is reported"
     assert (run_dir / "model_last" / "config.json").exists()
 
+    # Where the plateau's evaluation is the last step's, the cap ended the run: no plateau is named.
+    final = run(compose([*PPO_FAST, "data.rule=never_rule:score", "step.max_steps=2", "step.eval_every_steps=1",
+                         "step.early_stop_patience=2", f"actor.path={sft}", f"critic.path={rm}",
+                         f"run_dir={tmp_path / 'capped'}"]))
+    assert final["step"] == 2 and "stopped_by" not in final, final.get("stopped_by")
+
 
 def test_ppo_patience_needs_evaluations():
     with pytest.raises(ConfigError, match="step.early_stop_patience needs evaluations to compare"):

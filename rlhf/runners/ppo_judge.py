@@ -206,7 +206,8 @@ class Judge:
                                                 chosen["eval/accuracy"] > self.best["select"]["eval/accuracy"])
         if "eval/accuracy" in chosen:
             self.history.append((step, chosen["eval/accuracy"]))
-            self.stopped_by = plateau(self.history, step_cfg.early_stop_patience) or ""
+            # At the last step the cap ends the run, whatever the plateau says.
+            self.stopped_by = (plateau(self.history, step_cfg.early_stop_patience) or "") if step < final_step else ""
         # The last evaluation of the run (the cap's, or a plateau's) reports the last actor's figures.
         if reported or better or self.stopped_by:
             metrics.update(greedy(prompts=self.prompts.report_half))
