@@ -502,6 +502,10 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
         _READ.clear()  # the data is read once per forecast, and not held through the run
 
 
+# A step that trains until ready (an accuracy bar, a plateau's patience) runs at most its forecast.
+READINESS_NOTE = "a readiness rule may stop it sooner: this is its cap"
+
+
 def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
               lengths: tuple[float, float] | None) -> StepForecast:
     rates = rates or hardware_rates(cfg)
@@ -559,7 +563,7 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per optimizer step")
     if getattr(step, "stop_at_accuracy", None) is not None or getattr(step, "early_stop_patience", 0):
-        notes.append("a readiness rule may stop it sooner: this is its cap")
+        notes.append(READINESS_NOTE)
     return StepForecast(step.name, work, steps, phases, world, hw.price_per_device_hour, notes)
 
 
@@ -616,7 +620,7 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per PPO step")
     if step.early_stop_patience:
-        notes.append("a readiness rule may stop it sooner: this is its cap")
+        notes.append(READINESS_NOTE)
     return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
 
 
