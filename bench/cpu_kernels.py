@@ -1,4 +1,4 @@
-"""The CPU kernel timings behind two choices of the framework, measured in one process.
+"""The CPU kernel timings behind three choices of the framework, measured in one process.
 
 - AdamW: the engine steps torch's fused AdamW (rlhf/engine.py). Times one step over the PPO bench
   model's parameter shapes (5.3M fp32 parameters) for the for-loop, foreach and fused
@@ -7,6 +7,11 @@
   (rlhf/decode.py). Times ``scaled_dot_product_attention`` of one new token over 65 and 128 cached
   keys (4 rows x 8 heads x 32 dims, the PPO bench's shapes) over slices of a preallocated cache, in
   bf16 and in fp32 (the query cast included).
+- Grouped-query attention of one new token: the decode loop folds the query heads that share a
+  key/value head into that head's query rows (rlhf/decode.py ``_Cache.attend``). Times
+  ``scaled_dot_product_attention`` of one token over 320 cached keys, 16 rows x 32 query heads over 8
+  key/value heads x 64 dims (Llama 3's grouping), fp32, with a padding mask: ``enable_gqa=True``
+  against the fold, and the largest difference of their outputs.
 
 Prints one JSON line of microseconds (best of 5 repeats of N calls) and the CPU's bf16 support.
 
@@ -62,6 +67,22 @@ def attention(dtype: torch.dtype, keys: int) -> float:
     return best_us(lambda: F.scaled_dot_product_attention(q.to(dtype), k, v, attn_mask=mask), 200)
 
 
+def grouped_query(fold: bool) -> tuple[float, torch.Tensor]:
+    rows, heads, kv_heads, width, keys = 16, 32, 8, 64, 320
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, 1, width, generator=gen)
+    k, v = (torch.randn(rows, kv_heads, keys, width, generator=gen) for _ in range(2))
+    mask = torch.zeros(rows, 1, 1, keys).index_fill(-1, torch.arange(20), float("-inf"))
+    mask[1:] = 0  # one left-padded row
+
+    def call():
+        if fold:
+            return F.scaled_dot_product_attention(q.reshape(rows, kv_heads, heads // kv_heads, width), k, v,
+                                                  attn_mask=mask).reshape(rows, heads, 1, width)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return best_us(call, 200), call()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -79,6 +100,9 @@ def main() -> None:
     for keys in (65, 128):
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             out[f"attention_1x{keys}_{name}_us"] = attention(dtype, keys)
+    (out["gqa_enable_gqa_us"], plain), (out["gqa_fold_us"], folded) = grouped_query(False), grouped_query(True)
+    out["gqa_fold_over_enable_gqa"] = round(out["gqa_fold_us"] / out["gqa_enable_gqa_us"], 3)
+    out["gqa_fold_max_diff"] = (plain - folded).abs().max().item()
     print(json.dumps(out))
 
 

@@ -282,9 +282,19 @@ class _Cache:
             keys.index_copy_(2, start, k.to(keys.dtype))
             values.index_copy_(2, start, v.to(values.dtype))
             keys, values = keys[:, :, :self.span], values[:, :, :self.span]
-        out = F.scaled_dot_product_attention(_as(q, keys.dtype), keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return _as(out, q.dtype).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        batch, heads, time, width = q.shape
+        groups = heads // keys.shape[1]
+        if groups > 1 and time == 1:
+            # Grouped-query attention, one new token: the query heads that share a key/value head become
+            # that head's query rows (the mask is the same for each), so the kernel reads each cached key
+            # once. enable_gqa under a mask has no fused kernel on a GPU: the fallback copies the keys
+            # and values once per group, every layer and token.
+            out = F.scaled_dot_product_attention(_as(q, keys.dtype).reshape(batch, -1, groups, width), keys, values,
+                                                 attn_mask=mask, scale=scale).reshape(batch, heads, 1, width)
+        else:
+            out = F.scaled_dot_product_attention(_as(q, keys.dtype), keys, values, attn_mask=mask, scale=scale,
+                                                 enable_gqa=groups > 1)
+        return _as(out, q.dtype).transpose(1, 2).reshape(batch, time, -1)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
