@@ -8,7 +8,7 @@
 # runs/bench-gpu): summary.md, summary.json, one JSON per phase, and the SFT and PPO run directories.
 #
 #   bash bench/gpu.sh                            # every phase (limits: 990 s in all)
-#   bash bench/gpu.sh --phases "decode decode_gqa ppo_graph ppo_fast ppo_zero3"   # a set (here 560 s)
+#   bash bench/gpu.sh --phases "decode decode_gqa ppo_fast ppo_zero3"   # a set (limits: 480 s)
 #   bash bench/gpu.sh zero=2                     # extra Hydra overrides for the SFT and PPO runs
 #   bash bench/gpu.sh --tiny                     # toy sizes on CPU: checks the script, not the speed
 #
