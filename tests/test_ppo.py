@@ -755,3 +755,17 @@ def test_a_ppo_update_reads_back_to_the_host_once_per_pass_and_once_at_the_end()
     assert all(math.isfinite(v) for v in out.values()) and out["value_loss"] > 0 and out["entropy"] > 0
     # The first micro-batch's log-probs are the old ones before any update: the same forward.
     assert out["rollout/logprob_diff"] < 1e-5
+
+
+def test_profile_step_profiles_one_ppo_step_from_rollouts_to_updates(tmp_path, sft_and_reward):
+    """logging.profile_step=2 profiles PPO step 2: its rollouts' attention and cache writes and its
+    updates' optimizer are all in the one summary, and the run's steps are all logged as usual."""
+    sft, rm = sft_and_reward
+    run(compose([*PPO_FAST, "logging.profile_step=2", f"actor.path={sft}", f"critic.path={rm}",
+                 f"run_dir={tmp_path}"]))
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert summary["step"] == 2 and 0 < summary["busy_ms"] <= summary["wall_ms"]
+    for kind in ("matmul", "attention", "cache_write", "optimizer"):
+        assert summary["by_kind_ms"].get(kind, 0) > 0, (kind, summary["by_kind_ms"])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "policy_loss" in r] == [1, 2, 3]
