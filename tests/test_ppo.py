@@ -757,6 +757,7 @@ def test_a_ppo_update_reads_back_to_the_host_once_per_pass_and_once_at_the_end()
     assert out["rollout/logprob_diff"] < 1e-5
 
 
+@pytest.mark.slow  # make test profiles an SFT step (tests/test_sft.py); the loop hook here is one line
 def test_profile_step_profiles_one_ppo_step_from_rollouts_to_updates(tmp_path, sft_and_reward):
     """logging.profile_step=2 profiles PPO step 2: its rollouts' attention and cache writes and its
     updates' optimizer are all in the one summary, and the run's steps are all logged as usual."""
