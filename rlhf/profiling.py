@@ -13,9 +13,7 @@ slower than the others, so throughput figures of its logging window include the 
 
 from __future__ import annotations
 
-import gzip
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -47,16 +45,18 @@ def device_times(prof, per: int = 1, top: int = 12) -> dict:
     operators' own time) in ms, by kernel kind, the ``top`` costliest kernels, and how many kernels
     (operators) ran, each divided by ``per`` (the number of repeats profiled). Many short kernels
     point at launch latency, which no kernel's speed fixes: fewer, larger ones do."""
-    cuda = any(evt.device_type.name == "CUDA" for evt in prof.key_averages())
+    events = prof.key_averages()  # one row per name (and device): costly over a long step, made once
+    cuda = any(evt.device_type.name == "CUDA" for evt in events)
     kinds, names, launched = {}, {}, 0
-    for evt in prof.key_averages():
+    for evt in events:
         if cuda and evt.device_type.name != "CUDA":
             continue
         us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
         if us <= 0:
             continue
-        kinds[kernel_kind(evt.key)] = kinds.get(kernel_kind(evt.key), 0.0) + us / 1e3 / per
-        names[evt.key] = names.get(evt.key, 0.0) + us / 1e3 / per
+        kind = kernel_kind(evt.key)
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / per
+        names[evt.key] = us / 1e3 / per
         launched += evt.count
     return {"device": "cuda" if cuda else "cpu", "busy_ms": round(sum(kinds.values()), 3),
             "kernels": round(launched / per, 1),
@@ -97,11 +97,7 @@ class StepProfiler:
                    # read-backs, data loading (with the profiler's own cost on top).
                    "idle_ms": round(max(wall_ms - times["busy_ms"], 0.0), 3)}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        trace = self.out / "trace.json"
-        self.prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as src, gzip.open(self.out / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace.unlink()
+        self.prof.export_chrome_trace(str(self.out / "trace.json.gz"))  # torch gzips a .gz path
         self.prof = None
         print(f"[profile] step {self.step}: {wall_ms:.1f} ms, device busy {times['busy_ms']:.1f} ms "
               f"({', '.join(f'{k} {v:.1f}' for k, v in list(times['by_kind_ms'].items())[:5])}); "
