@@ -453,9 +453,7 @@ def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) ->
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(eager):
-                steps.tok.copy_(tok.unsqueeze(1))
-                steps.cache.span = steps.span()
-                steps.fed += 1
+                steps.feed(tok)
                 steps.token()
             if device == "cuda":
                 torch.cuda.synchronize()

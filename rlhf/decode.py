@@ -499,6 +499,12 @@ def _own_steps(own, input_ids, attention_mask, max_new_tokens):
 STATIC_SPAN = 64
 
 
+def static_span(needed: int, length: int) -> int:
+    """The cache positions a static step attends over when its token needs the first ``needed``: that
+    many rounded up to a multiple of ``STATIC_SPAN``, at most the whole cache of ``length``."""
+    return min(length, -(-needed // STATIC_SPAN) * STATIC_SPAN) if STATIC_SPAN else length
+
+
 class _StaticSteps:
     """The steps of ``_own_steps`` with every per-token shape fixed: each token's forward attends over
     the cache up to the end of its span (``STATIC_SPAN``) under a mask that opens one position per
@@ -522,13 +528,13 @@ class _StaticSteps:
         self.fed = 0  # tokens fed so far: the next one's key goes to position prompt + fed
         self.graphs = {}  # span -> (graph, its output buffer, rewritten by every replay)
 
-    def span(self) -> int:
-        """The cache positions the next token attends over: its own position + 1, rounded up to a
-        multiple of ``STATIC_SPAN``, at most the whole cache."""
-        length = self.cache.length
-        if not STATIC_SPAN:
-            return length
-        return min(length, -(-(self.prompt + self.fed + 1) // STATIC_SPAN) * STATIC_SPAN)
+    def feed(self, tok: torch.Tensor) -> int:
+        """Take ``tok`` as the next token to run and set its span (the positions up to its own,
+        ``static_span``); returns the span."""
+        self.tok.copy_(tok.unsqueeze(1))
+        self.cache.span = static_span(self.prompt + self.fed + 1, self.cache.length)
+        self.fed += 1
+        return self.cache.span
 
     def token(self) -> torch.Tensor:
         """One token's forward from ``self.tok`` at ``self.at`` over ``self.cache.span`` positions; the
@@ -541,9 +547,7 @@ class _StaticSteps:
     def __call__(self, tok):
         if tok is None:
             return self.own(self.input_ids, self.cache, 0, _prompt_mask(self.valid, self.prompt))
-        self.tok.copy_(tok.unsqueeze(1))
-        self.cache.span = span = self.span()
-        self.fed += 1
+        span = self.feed(tok)
         if self.input_ids.device.type != "cuda":
             return self.token()
         if span not in self.graphs:

@@ -381,12 +381,12 @@ def static_attended(prompt: int, answer: int) -> float:
     """The cache positions the static decode step attends over, on average over the answer's tokens:
     each token's position + 1 rounded up to a multiple of rlhf.decode.STATIC_SPAN, at most prompt +
     answer (with no spans, always the whole cache)."""
-    from rlhf.decode import STATIC_SPAN
+    from rlhf.decode import static_span
 
     length = prompt + answer
-    if not STATIC_SPAN or answer <= 0:
+    if answer <= 0:
         return float(length)
-    return sum(min(length, -(-(prompt + t + 1) // STATIC_SPAN) * STATIC_SPAN) for t in range(answer)) / answer
+    return sum(static_span(prompt + t + 1, length) for t in range(answer)) / answer
 
 
 # ----------------------------------------------------------------------------------- work
