@@ -221,13 +221,12 @@ def phase_sft(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
     return result
 
 
-def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str = "ppo",
-              steps_key: str = "ppo") -> dict:
+def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str = "ppo") -> dict:
     from rlhf import memory, models
     from rlhf.config import compose_config, to_schema
     from rlhf.launch import run
 
-    s = {**settings["ppo"], **settings.get(steps_key, {})}
+    s = ppo_settings(settings, name)
     actor, actor_build_s = build_model(settings["actor"])
     critic, critic_build_s = build_model(settings["critic"])
     tokenizer = models.load_tokenizer(actor)
@@ -259,6 +258,12 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
                   actor_params_m=round(param_count(actor) / 1e6, 1), critic_params_m=round(param_count(critic) / 1e6, 1),
                   profile=step_profile(out / name))
     return result
+
+
+def ppo_settings(settings: dict, name: str) -> dict:
+    """The PPO phase ``name``'s shapes and step counts: the ``ppo`` entry with the phase's own entry
+    (``ppo_zero3``'s fewer steps) over it."""
+    return {**settings["ppo"], **settings.get(name, {})}
 
 
 def step_profile(run_dir: Path) -> dict:
@@ -499,7 +504,7 @@ def phase_report(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dic
     failed = sorted(p.stem for p in out.glob("*.failed"))
     for name in failed:  # a PPO phase stopped at its limit still has the steps it logged
         if name in PPO_PHASES and (out / name / "metrics.jsonl").exists():
-            s = {**settings["ppo"], **settings.get(PPO_PHASES[name], {})}
+            s = ppo_settings(settings, name)
             try:
                 phases[name] = ppo_figures(out / name, s["warmup"], s["measured"])
             except RuntimeError:
@@ -632,7 +637,7 @@ def phase_ppo_zero3(settings: dict, out: Path, tiny: bool, extra: list[str]) -> 
     """The PPO phase under ZeRO-3 (every engine partitioned; on one GPU the actor generates gathered
     whole: tensor-parallel slices need a group of ranks), one warm-up and two measured steps; its
     figures from whatever steps were logged if it meets its time limit (``report``)."""
-    return phase_ppo(settings, out, tiny, [*extra, "zero=3"], "ppo_zero3", "ppo_zero3")
+    return phase_ppo(settings, out, tiny, [*extra, "zero=3"], "ppo_zero3")
 
 
 def phase_decode_gqa(settings: dict, out: Path, tiny: bool, extra: list[str]) -> dict:
@@ -644,7 +649,7 @@ PHASES = {"matmul": phase_matmul, "sft": phase_sft, "sft_micro4x": phase_sft_mic
           "decode_gqa": phase_decode_gqa, "ppo": phase_ppo, "ppo_graph": phase_ppo_graph, "ppo_fast": phase_ppo_fast,
           "ppo_zero3": phase_ppo_zero3, "report": phase_report}
 # The PPO phases: a report reads the steps logged by one that met its time limit.
-PPO_PHASES = {"ppo": "ppo", "ppo_graph": "ppo", "ppo_fast": "ppo", "ppo_zero3": "ppo_zero3"}
+PPO_PHASES = ("ppo", "ppo_graph", "ppo_fast", "ppo_zero3")
 
 
 def main() -> None:
