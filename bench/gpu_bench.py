@@ -56,7 +56,7 @@ SETTINGS = {
         # 5 warm-up steps (cuBLAS handles, allocator growth) then 4 logged windows of 5.
         "sft": {"seq": 512, "micro": 16, "log_every": 5, "warmup_windows": 1, "windows": 4},
         "ppo": {"prompt": 256, "answer": 256, "rollouts": 64, "micro": 16, "warmup": 2, "measured": 4},
-        # ZeRO-3's steps are slower (a cold run had not finished 6 in 150 s): one warm-up, two measured.
+        # ZeRO-3's steps are slower: one warm-up and two measured fit the phase's limit (docs/benchmarks.md).
         "ppo_zero3": {"warmup": 1, "measured": 2},
         # The PPO phase's rollout alone: 64 rows of 256 + 256 tokens, each way timed twice after a warm-up.
         "decode": {"prompt": 256, "answer": 256, "rows": 64, "repeats": 2, "copy_mb": 4096},
