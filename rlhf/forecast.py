@@ -443,6 +443,9 @@ def data_tokenizer(cfg: Config):
         return None
     from rlhf import models
 
+    gguf_file = None if cfg.actor.path else cfg.model.gguf_file
+    if models.gguf_location(path, gguf_file):  # the GGUF's own tokenizer, from its metadata
+        return models.load_tokenizer(path, gguf_file=gguf_file)
     if path and not os.path.exists(os.path.expanduser(path)):
         if param_counts(cfg.model)[0] > 50e6:
             return None

@@ -196,14 +196,143 @@ def _move_into_place(tmp: Path, out: Path) -> None:
             print(f"[models] rebuilt incomplete cache entry {out}", flush=True)
             shutil.rmtree(stale, ignore_errors=True)
     if not cache_entry_complete(out):
-        raise RuntimeError(f"could not put the random model into {out}; delete that folder and run again")
+        raise RuntimeError(f"could not put the model folder into {out}; delete that folder and run again")
 
 
 def resolve_path(cfg: ModelConfig) -> str:
-    """The path or hub id to hand to from_pretrained, building a random model on first use."""
+    """The path or hub id to hand to from_pretrained: a random model built on first use, a GGUF file
+    converted on first use (gguf_model_dir), else model.path as it is."""
+    if gguf := gguf_location(cfg.path, cfg.gguf_file):
+        return str(gguf_model_dir(gguf))
     if cfg.path:
         return cfg.path
     return str(build_random_model(cfg, random_model_dir(cfg)))
+
+
+def checkpoint_path(path: str) -> str:
+    """A role's path (actor.path, critic.path, reward.path) for from_pretrained: a GGUF file converted
+    on first use, anything else as it is."""
+    gguf = gguf_location(path)
+    return str(gguf_model_dir(gguf)) if gguf else path
+
+
+# ------------------------------------------------------------------------------------ GGUF
+# A GGUF file (llama.cpp's single-file format) is read through transformers' own GGUF support (the
+# `gguf` package): dequantized, then saved once as a Hugging Face folder that every step, the chat CLI
+# and PEFT load like any checkpoint; outputs are safetensors folders as always.
+GGUF_VERSION = 1  # bump when the conversion changes, so stale cache entries are not reused
+# Tensor types stored unquantized, which need no dequantization.
+_GGUF_PLAIN = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
+
+
+def gguf_location(path: str, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file ``path`` names: a ``.gguf`` file, or ``gguf_file`` in the folder ``path`` (None when
+    neither: a Hugging Face folder or hub id). A named file that is not there is refused."""
+    if not path:
+        return None
+    where = Path(os.path.expanduser(path))
+    if gguf_file:
+        file = where / gguf_file
+    elif where.suffix.lower() == ".gguf":
+        file = where
+    else:
+        return None
+    if not file.is_file():
+        key = "model.gguf_file" if gguf_file else "model.path"
+        raise ConfigError(f"{key}: no GGUF file at {file}" + (f" (the folder holds {', '.join(sorted(g.name for g in where.glob('*.gguf')))})"
+                                                             if where.is_dir() and any(where.glob("*.gguf")) else ""))
+    return file.resolve()
+
+
+_GGUF_DIGESTS: dict[tuple, str] = {}
+
+
+def _gguf_digest(file: Path) -> str:
+    """The file's content hash (cached per process by path, size and modification time)."""
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    if key not in _GGUF_DIGESTS:
+        digest = hashlib.sha256()
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+        _GGUF_DIGESTS[key] = digest.hexdigest()
+    return _GGUF_DIGESTS[key]
+
+
+def check_gguf(file: Path) -> None:
+    """Refuse, in one line naming both, a GGUF whose architecture or tensor types transformers cannot
+    read -- before anything converts."""
+    from gguf import GGUFReader
+    from gguf.quants import _type_traits
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    reader = GGUFReader(file)
+    field_ = reader.fields.get("general.architecture")
+    arch = bytes(field_.parts[field_.data[0]]).decode() if field_ else "?"
+    kinds = sorted({t.tensor_type.name for t in reader.tensors})
+    readable = _GGUF_PLAIN | {t.name for t in _type_traits}
+    # transformers maps a few llama.cpp names to its own (qwen2moe -> qwen2_moe); either spelling counts.
+    known = {a.replace("_", "") for a in GGUF_SUPPORTED_ARCHITECTURES} | set(GGUF_SUPPORTED_ARCHITECTURES)
+    bad_arch = arch not in known and arch.replace("-", "").replace("_", "") not in known
+    bad_kinds = [k for k in kinds if k not in readable]
+    if bad_arch or bad_kinds:
+        import transformers
+
+        raise ConfigError(f"{file}: a GGUF of architecture {arch!r} with tensors in {', '.join(kinds)}: transformers "
+                          f"{transformers.__version__} cannot read "
+                          + (f"the architecture (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})" if bad_arch
+                             else f"{', '.join(bad_kinds)} (the gguf package dequantizes {', '.join(sorted(readable))})")
+                          + "; convert it to a Hugging Face folder with llama.cpp's tools, or use another quantization")
+
+
+_GGUF_CONFIGS: dict[tuple, object] = {}
+
+
+def gguf_config(file: Path):
+    """The transformers config in a GGUF's metadata, without reading its weights (once per process)."""
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    if key not in _GGUF_CONFIGS:
+        check_gguf(file)
+        _GGUF_CONFIGS[key] = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    return _GGUF_CONFIGS[key]
+
+
+def gguf_model_dir(file: Path) -> Path:
+    """A Hugging Face folder converted from a GGUF file (safetensors in fp32, tokenizer with its chat
+    template, generation config), cached by the file's content and built in a temporary folder renamed
+    into place, as the random models are. Its weights are the GGUF's dequantized values: a run loads
+    them in its own precision, the same numbers as dequantizing into that precision directly."""
+    out = cache_root() / "gguf" / f"{file.stem}-{_gguf_digest(file)[:12]}-v{GGUF_VERSION}"
+    if cache_entry_complete(out):
+        return out
+    check_gguf(file)
+    print(f"[models] converting {file} into {out} (once; later runs load the folder)", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        from transformers import GgufConfig
+
+        # Dequantized into plain dense weights (not kept in GGUF blocks, which cannot train or be saved).
+        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
+        # Plain weights now: what marks the model as GGUF-quantized would stop save_pretrained.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(file), "sha256": _gguf_digest(file)}, indent=1))
+        (tmp / _COMPLETE).write_text("")
+        if not cache_entry_complete(tmp):
+            missing = [f for f in _ENTRY_FILES if not (tmp / f).exists()]
+            raise RuntimeError(f"converting {file} wrote no {', '.join(missing)} in {tmp}")
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 # ------------------------------------------------------------------------------------ sizes
@@ -254,7 +383,8 @@ class ModelSizes:
     def describe(self) -> str:
         """One line for the dry-run: the numbers and where they came from."""
         kv = f"{self.num_kv_heads} KV" if self.num_kv_heads != self.num_heads else "no GQA"
-        return (f"{self.params / 1e9:.3f}B parameters ({self.architecture}): {self.num_layers} layers, hidden "
+        count = f"{self.params / 1e9:.3f}B" if self.params >= 1e9 else f"{self.params / 1e6:.1f}M"
+        return (f"{count} parameters ({self.architecture}): {self.num_layers} layers, hidden "
                 f"{self.hidden_size}, {self.num_heads} heads ({kv}, head size {self.head_dim}), MLP {self.ffn_size}"
                 f"{' gated' if self.gated_mlp else ''}, vocabulary {self.vocab_size}"
                 f"{' tied' if self.tied_embeddings else ''}, {self.max_positions or 'unlimited'} positions; "
@@ -363,6 +493,11 @@ def read_config(path: str, trust_remote_code: bool = False):
     reached is answered at once (once per process), not after from_pretrained's retries."""
     from rlhf.config import looks_local
 
+    if path and path.lower().endswith(".gguf"):  # actor.path, critic.path or reward.path naming a GGUF
+        try:
+            return gguf_config(gguf_location(path)), None
+        except ConfigError as err:
+            return None, str(err)
     local = looks_local(path)
     if not local and (path, trust_remote_code) in _HUB_CONFIGS:
         return _HUB_CONFIGS[path, trust_remote_code]
@@ -388,6 +523,8 @@ def model_sizes(cfg: ModelConfig) -> ModelSizes:
     if not cfg.path:
         return sizes_from_config(_fallback_config(cfg),
                                  f"conf/model/{cfg.name}.yaml (a random model built from these numbers)")
+    if gguf := gguf_location(cfg.path, cfg.gguf_file):
+        return sizes_from_config(gguf_config(gguf), f"the GGUF metadata of {gguf}")
     config, why = read_config(cfg.path, cfg.trust_remote_code)
     if config is not None:
         return sizes_from_config(config, f"config.json of {cfg.path}")
@@ -399,13 +536,41 @@ def model_sizes(cfg: ModelConfig) -> ModelSizes:
                              f"conf/model/{cfg.name}.yaml (no config.json readable for {cfg.path})")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        # LLaMA ships no pad token. Reusing eos would make masks built from pad hide real ends of
-        # answers, so add a distinct one (the model's embeddings are resized in load_causal_lm).
+def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | None = None):
+    """The tokenizer of a checkpoint folder or hub id, or of a GGUF file (read from its metadata, without
+    converting its weights), set up as every step uses it."""
+    if gguf := gguf_location(path, gguf_file):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    # An answer ends where its chat template closes the turn: where that is one special token other
+    # than eos (a base model's template, Qwen's <|im_end|> beside <|endoftext|>), it becomes the eos
+    # that tokenization appends to answers and that decoding stops at, so that a model's answers end
+    # as its template's turns do (and rules never see a second end marker).
+    if (marker := turn_end_token(tokenizer)) is not None:
+        tokenizer.eos_token = marker
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # LLaMA ships no pad token, SmolLM2's GGUF pads with eos. Reusing eos would make masks built
+        # from pad hide real ends of answers, so add a distinct one (the model's embeddings are
+        # resized in load_causal_lm).
         tokenizer.add_special_tokens({"pad_token": PAD})
     return tokenizer
+
+
+def turn_end_token(tokenizer) -> str | None:
+    """The special token that closes an assistant turn in the tokenizer's chat template, where that is
+    a single token other than eos; None otherwise (no template, text markers, or eos itself)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    from rlhf.data.adapters import ChatFormat
+
+    try:
+        marker = ChatFormat(tokenizer).end_of_turn
+    except ValueError:  # a template that refuses a plain user/assistant exchange: nothing to learn from it
+        return None
+    if not marker or marker == tokenizer.eos_token:
+        return None
+    return marker if len(tokenizer(marker, add_special_tokens=False).input_ids) == 1 else None
 
 
 _DROPOUT_KEYS = ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "attn_pdrop",
@@ -471,6 +636,12 @@ def load_causal_lm(path: str, tokenizer, dtype: torch.dtype = torch.float32, dro
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+        # transformers' generate (and a saved model's users) stop where our decoding does: at the
+        # tokenizer's eos, which may be the template's end of turn (load_tokenizer), and at the model's own.
+        own = model.generation_config.eos_token_id
+        own = [] if own is None else [own] if isinstance(own, int) else list(own)
+        ids = list(dict.fromkeys([tokenizer.eos_token_id, *own]))
+        model.generation_config.eos_token_id = ids[0] if len(ids) == 1 else ids
     return model
 
 

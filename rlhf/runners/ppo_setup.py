@@ -62,12 +62,12 @@ class Prompts:
 def checked_tokenizer(cfg: Config) -> tuple[object, str, str, str]:
     """The actor's tokenizer (left padding) and the actor, critic and reward paths; refuses a critic or
     reward model of another tokenizer (it would score the actor's token ids as noise)."""
-    actor_path = cfg.actor.path or models.resolve_path(cfg.model)
-    reward_path = cfg.reward.path or cfg.critic.path
+    actor_path = models.checkpoint_path(cfg.actor.path) or models.resolve_path(cfg.model)
+    reward_path = models.checkpoint_path(cfg.reward.path or cfg.critic.path)
     if problems := models.ppo_role_problems(cfg):
         raise ConfigError("; ".join(problems))
     # Critic-free estimators (GRPO, RLOO, REINFORCE++) build no critic: no model, optimizer or checkpoint.
-    critic_path = (cfg.critic.path or reward_path or actor_path) \
+    critic_path = (models.checkpoint_path(cfg.critic.path) or reward_path or actor_path) \
         if losses.ESTIMATORS[cfg.step.advantage_estimator].needs_critic else ""
     tokenizer = models.load_tokenizer(actor_path, cfg.model.trust_remote_code)
     for role, path in (("critic", critic_path), ("reward", reward_path if cfg.step.reward_model_weight > 0 else "")):

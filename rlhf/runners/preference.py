@@ -139,7 +139,7 @@ def window_rewards(window: dict) -> dict:
 def run(cfg: Config) -> dict:
     # ------------------------------------------------------------------------------- setup
     rank, world, step_cfg, spec = dist.get_rank(), dist.get_world_size(), cfg.step, STEPS[cfg.step.name]
-    model_path = cfg.actor.path or models.resolve_path(cfg.model)
+    model_path = models.checkpoint_path(cfg.actor.path) or models.resolve_path(cfg.model)
     tokenizer = models.load_tokenizer(model_path, cfg.model.trust_remote_code)
     train_ds, eval_ds, eval_prompts, report = common.step_data(
         cfg, step_cfg.name, tokenizer, {"max_seq_len": step_cfg.max_seq_len, "rows": spec.rows}, tokenized(cfg, tokenizer))
