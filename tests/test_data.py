@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from datasets import Dataset
@@ -11,6 +12,7 @@ from rlhf.config import DataConfig, SourceConfig
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, blend, heldout_split, load_step_data, split_part
 from rlhf.data.tokenize import IGNORE_INDEX, BadRowError, PadCollator, sft_dataset
+from rlhf.verifiers import math_score
 from tests.conftest import ROOT
 
 SORT = str(ROOT / "data" / "synthetic" / "sort")
@@ -36,7 +38,20 @@ def test_the_numbers_task_s_reference_answers_are_right_by_the_math_rule_and_nea
         assert math_score(row["prompt"], f" {int(row['answer']) + 1}", row["answer"]) == 0.0
 
 
-@pytest.mark.parametrize("task", [t for t in synthetic.SIZES if t != "numbers"])
+def test_the_arithmetic_tasks_are_plain_questions_whose_reference_the_verifier_accepts():
+    for task in ("arithmetic", "words"):
+        rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / task / "eval.jsonl")]
+        train = {json.loads(line)["prompt"] for line in open(ROOT / "data" / "synthetic" / task / "train.jsonl")}
+        assert len(rows) == synthetic.SIZES[task][1] and not train & {r["prompt"] for r in rows}
+        for row in rows[:200]:
+            a, b = map(int, re.findall(r"\d+", row["prompt"])[:2])
+            assert "Human:" not in row["prompt"]  # a chat model's question, rendered by its own template
+            assert math_score(row["prompt"], row["answer"], row["answer"]) == 1.0
+            assert math_score(row["prompt"], f"{a} + {b} = {a + b}", row["answer"]) == 1.0
+            assert math_score(row["prompt"], f"{a + b + 1}", row["answer"]) == 0.0
+
+
+@pytest.mark.parametrize("task", [t for t in synthetic.SIZES if t not in synthetic.GENERATORS])
 def test_rule_accepts_chosen_rejects_near_misses(task):
     rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / task / "train.jsonl")][:500]
     for row in rows:

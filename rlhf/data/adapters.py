@@ -259,7 +259,10 @@ class ChatFormat:
         return _answer(text) if self.tokenizer is None else text.strip() + self.end_of_turn
 
     def content(self, text: str) -> str:
-        """An answer as a rule reads it: the text before the template's end of turn, without it."""
+        """An answer as a rule reads it: the text before the template's end of turn, without it
+        (DeepSpeed-Chat's form, which has none, as it is)."""
+        if self.tokenizer is None:
+            return text
         for marker in (self.turn_end, self.end_of_turn):
             if marker and marker in text:
                 text = text.split(marker, 1)[0]
