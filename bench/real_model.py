@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--data", default="arithmetic", choices=sorted(TASKS))
     ap.add_argument("--run-dir", type=Path, default=None)
     ap.add_argument("--no-train", action="store_true", help="score the model already in --run-dir")
-    ap.add_argument("--questions", type=int, default=300)
+    ap.add_argument("--questions", type=int, default=150, help="at most 150: the pairs left after train and eval")
     ap.add_argument("--long-budget", type=int, default=128, help="a second answer budget, for answers the run's cuts")
     ap.add_argument("overrides", nargs="*", help="more launch.py overrides for the run")
     args = ap.parse_args()

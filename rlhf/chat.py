@@ -1,11 +1,15 @@
-"""Multi-turn chat with any output folder (SFT, PPO, EMA) or hub id, like DeepSpeed-Chat's chatbot.py.
+"""Multi-turn chat with any output folder (SFT, PPO, EMA), hub id or GGUF file, like DeepSpeed-Chat's
+chatbot.py.
 
 Type a message; `clear` starts a new conversation, `quit` (or end of input) leaves. The
-conversation is written as training wrote it (rlhf.data.adapters.ChatFormat): through the
-tokenizer's chat template where it has one (``--chat-template none``: never), else in DeepSpeed-Chat's
-" Human: ... Assistant: ..." form; it is cut from the left when it outgrows the model's context.
+conversation is written as training wrote it (rlhf.data.adapters.ChatFormat, with the tokenizer the
+steps load, rlhf.models.load_tokenizer): through the tokenizer's chat template where it has one
+(``--chat-template none``: never), else in DeepSpeed-Chat's " Human: ... Assistant: ..." form; it is
+cut from the left when it outgrows the model's context. The answer streams as it is decoded and
+stops at the end of the turn (the template's end-of-turn token) or the model's own eos.
 
     python -m rlhf.chat --path runs/e2e/tiny-llama_synthetic-sort_seed42/ppo/model
+    python -m rlhf.chat --path runs/rlvr/smollm2-135m-instruct_arithmetic_seed42/ppo/model --max-new-tokens 128
     python -m rlhf.chat --path facebook/opt-1.3b --max-new-tokens 128 --sample --temperature 0.7
 """
 
@@ -26,16 +30,23 @@ def chat_format(tokenizer, mode: str = "auto") -> ChatFormat:
     return ChatFormat(chat_tokenizer(tokenizer, mode))
 
 
-def respond(model, tokenizer, history: str, max_new_tokens: int, sample: bool, temperature: float) -> str:
-    """The model's answer to ``history``, the conversation's text up to the answer (ChatFormat.prompt)."""
+def respond(model, tokenizer, history: str, max_new_tokens: int, sample: bool, temperature: float,
+            stream: bool = False) -> str:
+    """The model's answer to ``history``, the conversation's text up to the answer (ChatFormat.prompt);
+    with ``stream``, printed token by token as it is decoded."""
+    from transformers import TextStreamer
+
     ids = tokenizer(history).input_ids
     limit = getattr(model.config, "max_position_embeddings", 2048) - max_new_tokens
     ids = ids[-limit:]  # keep the most recent turns
+    own = model.generation_config.eos_token_id
+    stops = list(dict.fromkeys([tokenizer.eos_token_id, *([] if own is None else [own] if isinstance(own, int) else own)]))
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=sample,
-                             temperature=temperature if sample else None, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
+                             temperature=temperature if sample else None, eos_token_id=stops,
+                             pad_token_id=tokenizer.pad_token_id, streamer=streamer)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
@@ -49,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the data.chat_template the model was trained with")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -59,13 +70,19 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.path).expanduser().exists() and (looks_local(args.path) or args.path.count("/") > 1):
         sys.exit(f"no such folder: {args.path} (a step's output is RUN_DIR/model, e.g. "
                  "runs/e2e/<chain>/ppo/model; or give a hub id such as facebook/opt-1.3b)")
+    from rlhf import models
+    from rlhf.errors import ConfigError
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.path)
-        model = AutoModelForCausalLM.from_pretrained(args.path).eval()
-    except (OSError, ValueError) as err:
+        path = models.checkpoint_path(args.path)  # a GGUF file is converted once, as the steps do
+        config = AutoConfig.from_pretrained(path)
+        if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+            sys.exit(f"{args.path} is a reward model ({config.architectures[0]}: it scores answers, it does not "
+                     "write them); chat with a policy: an SFT, PPO or DPO step's model/")
+        tokenizer = models.load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    except (OSError, ValueError, ConfigError) as err:
         sys.exit(f"cannot load a causal LM from {args.path!r}: {err}")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # generation only: no masks are built from pad here
     fmt = chat_format(tokenizer, args.chat_template)
     history: list[dict] = []
     print("Type a message; 'clear' starts over, 'quit' leaves.", flush=True)
@@ -83,9 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         if not text:
             continue
         history.append({"role": "user", "content": text})
-        answer = respond(model, tokenizer, fmt.prompt(history), args.max_new_tokens, args.sample, args.temperature)
+        print("Assistant: ", end="", flush=True)
+        answer = respond(model, tokenizer, fmt.prompt(history), args.max_new_tokens, args.sample, args.temperature,
+                         stream=True)
         history.append({"role": "assistant", "content": answer.strip()})
-        print(f"Assistant: {answer.strip()}", flush=True)
 
 
 if __name__ == "__main__":
