@@ -31,7 +31,7 @@ XDIST := -n auto --maxprocesses 4
 test: install  ## the fast tiers of the suite: every module, one of each slow kind (CPU, under 10 min on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
-test-all: install  ## everything: every preset chain, kill-and-resume, 2-rank test and the learning run (what CI runs)
+test-all: install real-model  ## everything: every preset chain, kill-and-resume, 2-rank test and the learning run (what CI runs)
 	$(BIN)/python -m pytest -q $(XDIST)
 
 lint: install  ## ruff over the code
