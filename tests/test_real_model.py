@@ -47,7 +47,7 @@ def test_chat_answers_in_the_model_s_template_and_stops_at_the_end_of_its_turn(t
 
 def test_grpo_with_lora_trains_the_real_model_against_the_verifier(tmp_path):
     final = run(compose(["experiment=smollm2-135m-instruct_rlvr-cpu", "step=ppo",
-                         "+stage=[smollm2-135m-instruct_rlvr-cpu/ppo]", "lora.rank=8", "optim.lr=1e-4",
+                         "+stage=[smollm2-135m-instruct_rlvr-cpu/ppo]", "pipeline.steps=[]", "lora.rank=8", "optim.lr=1e-4",
                          "step.max_steps=2", "step.rollout_batch_size_per_device=16", "step.micro_batch_size_per_device=16",
                          "step.gradient_accumulation_steps=1", "step.eval_every_steps=0", "step.eval_prompts=16",
                          "step.keep_best=false", "logging.progress_bar=false", f"run_dir={tmp_path}"]))
