@@ -155,9 +155,8 @@ def build_random_model(cfg: ModelConfig, out: Path) -> Path:
     """
     if cache_entry_complete(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tokenizer = train_tokenizer(cfg.vocab_size, cfg.max_positions)
         if len(tokenizer) > cfg.vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens > model.vocab_size={cfg.vocab_size}")
@@ -167,13 +166,24 @@ def build_random_model(cfg: ModelConfig, out: Path) -> Path:
                                                    eos_token_id=tokenizer.eos_token_id,
                                                    pad_token_id=tokenizer.pad_token_id)
         # With torch.distributed initialized transformers writes weights on global rank 0 only; the
-        # completeness check below turns a rank that wrote none into an error, not a broken entry.
+        # completeness check in _build_entry turns a rank that wrote none into an error, not a broken entry.
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+
+    return _build_entry(out, write, f"building the random model {cfg.name}")
+
+
+def _build_entry(out: Path, write, what: str) -> Path:
+    """Run ``write`` into a temporary folder beside ``out``, check that it wrote a complete entry, and
+    rename it into place; the temporary folder is removed whatever happens."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        write(tmp)
         (tmp / _COMPLETE).write_text("")
         if not cache_entry_complete(tmp):
             missing = [f for f in _ENTRY_FILES if not (tmp / f).exists()]
-            raise RuntimeError(f"building the random model {cfg.name} wrote no {', '.join(missing)} in {tmp}")
+            raise RuntimeError(f"{what} wrote no {', '.join(missing)} in {tmp}")
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -309,12 +319,11 @@ def gguf_model_dir(file: Path) -> Path:
         return out
     check_gguf(file)
     print(f"[models] converting {file} into {out} (once; later runs load the folder)", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+
+    def write(tmp: Path) -> None:
         from transformers import GgufConfig
 
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         # Dequantized into plain dense weights (not kept in GGUF blocks, which cannot train or be saved).
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
                                                      quantization_config=GgufConfig(dequantize=True))
@@ -325,14 +334,8 @@ def gguf_model_dir(file: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(file), "sha256": _gguf_digest(file)}, indent=1))
-        (tmp / _COMPLETE).write_text("")
-        if not cache_entry_complete(tmp):
-            missing = [f for f in _ENTRY_FILES if not (tmp / f).exists()]
-            raise RuntimeError(f"converting {file} wrote no {', '.join(missing)} in {tmp}")
-        _move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return _build_entry(out, write, f"converting {file}")
 
 
 # ------------------------------------------------------------------------------------ sizes
