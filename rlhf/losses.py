@@ -149,14 +149,16 @@ def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass
 class PreferenceResult:
     """A preference loss's output: the loss to backpropagate (mean over the rows), the implicit
-    rewards of the chosen (desirable) and of the rejected (undesirable) answers, and per row 1 where
+    rewards of the chosen (desirable) and of the rejected (undesirable) answers, per row 1 where
     its reward sits on the right side (of its pair's other answer, or of the reference point), 0.5 on
-    a tie (at the start of a method with a reference every reward is 0: accuracy starts at 0.5)."""
+    a tie (at the start of a method with a reference every reward is 0: accuracy starts at 0.5), and
+    the policy's summed log-probs of the chosen (desirable) answers alone."""
 
     loss: torch.Tensor
     chosen: torch.Tensor
     rejected: torch.Tensor
     right: torch.Tensor
+    chosen_logp: torch.Tensor
 
 
 def _right(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -171,7 +173,7 @@ def dpo_step(b: PreferenceBatch, step) -> PreferenceResult:
     loss = DPO_LOSSES[step.loss](dpo_margin(pc, pr, rc, rr), step.beta, step.label_smoothing).mean()
     if step.nll_coef:
         loss = loss + step.nll_coef * answer_nll(pc, halves(b.tokens)[0])
-    return PreferenceResult(loss, chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+    return PreferenceResult(loss, chosen.detach(), rejected.detach(), _right(chosen, rejected).detach(), pc.detach())
 
 
 def _length_normalised_step(loss_fn, b: PreferenceBatch, *settings) -> PreferenceResult:
@@ -180,7 +182,8 @@ def _length_normalised_step(loss_fn, b: PreferenceBatch, *settings) -> Preferenc
     and the two rewards."""
     (pc, pr), (tc, tr) = halves(b.logp), halves(b.tokens.to(b.logp.dtype))
     loss, chosen, rejected = loss_fn(pc, pr, tc, tr, *settings)
-    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach())
+    return PreferenceResult(loss.mean(), chosen.detach(), rejected.detach(), _right(chosen, rejected).detach(),
+                            pc.detach())
 
 
 def simpo_step(b: PreferenceBatch, step) -> PreferenceResult:
@@ -244,7 +247,8 @@ def kto_step(b: PreferenceBatch, step) -> PreferenceResult:
     reward, good = (step.beta * own).detach(), b.desirable.bool()
     side = reward - step.beta * z0
     right = _right(torch.where(good, side, -side), torch.zeros_like(side))
-    return PreferenceResult(loss.mean(), reward[good], reward[~good], right)
+    # A row's own answer is desirable or undesirable: the chosen figures are the desirable rows'.
+    return PreferenceResult(loss.mean(), reward[good], reward[~good], right, halves(b.logp)[0].detach()[good])
 
 
 # A preference method's loss over a micro batch, given the step's settings; a step spec's `loss` names one.

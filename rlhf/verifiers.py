@@ -38,30 +38,51 @@ def _boxed(text: str) -> str | None:
     return None
 
 
+# GSM8K's answer marker: '####' and then the answer. '####' and then words is a Markdown heading
+# ("#### Step 1"), which marks nothing: a model that writes headings before its \boxed{} answer
+# must not be scored on a heading's number.
+_MARKER = re.compile(r"####[ \t]*(?=[-+$.\d\\])")
+
+
 def final_answer(text: str) -> str:
-    """The final answer of a solution: what follows GSM8K's '####', else the last \\boxed{}, else the
-    whole text (an answer that is only the answer)."""
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip()
+    """The final answer of a solution: the last \\boxed{} (explicit wherever it is), else what follows
+    GSM8K's last '####' marker, else the whole text (an answer that is only the answer)."""
     boxed = _boxed(text)
-    return boxed.strip() if boxed is not None else text.strip()
+    if boxed is not None:
+        return boxed.strip()
+    markers = list(_MARKER.finditer(text))
+    if markers:
+        return text[markers[-1].end():].strip()
+    return text.strip()
+
+
+def _marked(text: str) -> bool:
+    return _boxed(text) is not None or _MARKER.search(text) is not None
+
+
+def _numbers(text: str, first: bool = False) -> set[Fraction]:
+    """The values the number ``text`` states may mean (the last number in it, or the first with
+    ``first``): one value, or two for a percent, which people write both as the number ('25%' for a
+    reference of 25, GSM8K's way) and as the fraction ('50%' for 0.5). Empty where it states none."""
+    text = _latex_fractions(text).replace("\\!", "").replace("{,}", ",").replace("\\%", "%")
+    found = _NUMBER.findall(text)
+    if not found:
+        return set()
+    token = found[0 if first else -1].replace("$", "").replace(",", "").replace(" ", "")
+    percent = token.endswith("%")
+    try:
+        value = Fraction(token.rstrip("%"))
+    except (ValueError, ZeroDivisionError):
+        return set()
+    return {value, value / 100} if percent else {value}
 
 
 def as_number(text: str) -> Fraction | None:
     """The number ``text`` states (the last one in it, so '... is 72.' gives 72), exactly: 1,000 and
-    1000, 0.5 and 1/2 and \\frac{1}{2}, 50% and 0.5 are equal. None where it states no number."""
-    text = _latex_fractions(text).replace("\\!", "").replace("{,}", ",")
-    found = _NUMBER.findall(text)
-    if not found:
-        return None
-    token = found[-1].replace("$", "").replace(",", "").replace(" ", "")
-    percent = token.endswith("%")
-    token = token.rstrip("%")
-    try:
-        value = Fraction(token)
-    except (ValueError, ZeroDivisionError):
-        return None
-    return value / 100 if percent else value
+    1000, 0.5 and 1/2 and \\frac{1}{2} are equal; a percent reads as its number (25% is 25). None where
+    it states no number."""
+    values = _numbers(text)
+    return max(values, key=abs) if values else None
 
 
 def _normal(text: str) -> str:
@@ -70,17 +91,19 @@ def _normal(text: str) -> str:
 
 def math_score(prompt: str, answer: str, reference: str) -> float:
     """1.0 where the answer's final answer equals the reference's. A reference that is a number is
-    compared as a number with the last number the answer states (so prose around it is fine); any
-    other reference (an expression, a choice) as text, case, spaces, a trailing period and $ aside."""
+    compared as a number: with the first number after the answer's marker (\\boxed{}, GSM8K's
+    '#### 18 apples'), or the last number an unmarked answer states (so prose around it is fine); a
+    percent matches its number or its fraction. Any other reference (an expression, a choice) is
+    compared as text, case, spaces, a trailing period and $ aside."""
     ours, theirs = final_answer(answer), final_answer(reference)
-    expected = as_number(theirs) if _is_number(theirs) else None
-    if expected is not None:
-        return float(as_number(ours) == expected)
+    if _is_number(theirs):
+        expected = _numbers(theirs)
+        return float(bool(expected & _numbers(ours, first=_marked(answer))))
     return float(_normal(ours) == _normal(theirs))
 
 
 def _is_number(text: str) -> bool:
-    text = _latex_fractions(text).strip().rstrip(".")
+    text = _latex_fractions(text).replace("\\%", "%").strip().rstrip(".")
     return _NUMBER.fullmatch(text.replace(" ", "")) is not None
 
 

@@ -453,6 +453,8 @@ def test_kto_by_hand():
     r = losses.kto_step(batch, step)
     assert r.loss.item() == pytest.approx(0.5) and r.right.tolist() == [0.5, 0.5]
     assert r.chosen.tolist() == [0.0] and r.rejected.tolist() == [0.0]
+    # The chosen answers' log-probs are the desirable rows' own (-3), not a mean with the undesirable (-4).
+    assert r.chosen_logp.tolist() == [-3.0]
 
 
 def _kto_z0_on_rank(rank: int, init: str, shares: list, out: str) -> None:

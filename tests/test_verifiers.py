@@ -8,6 +8,7 @@ receives the reference answer, the pairwise steps' refusal of such a source, and
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import pytest
 from conftest import compose
@@ -32,6 +33,16 @@ QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
     (" \\boxed{x + 1}", "the answer is \\boxed{X+1}", True),                     # an expression: as text
     (" \\boxed{x + 2}", "\\boxed{x+1}", False),
     (" no idea", "#### 5", False),
+    (" The answer is 25%.", "What percent? 10/40 = 25% #### 25", True),           # GSM8K's percent questions
+    (" \\boxed{25\\%}", "#### 25", True),
+    (" 25 %", "#### 25", True),
+    (" 25%", "#### 0.25", True),
+    (" 2.5%", "#### 25", False),
+    (" -50%", "#### -50", True),
+    (" #### Step 1\nHer 3 bags hold 6 each.\n#### Step 2\n\\boxed{18} for her 2 kids", "#### 18", True),  # headings
+    (" #### 18 apples in 2 baskets", "#### 18", True),                           # the first number after the marker
+    (" #### Step 2: she has 18", "#### 18", True),                               # a heading only: the last number
+    (" #### Step 1\n\\boxed{17} for her 2 kids", "#### 18", False),
 ])
 def test_the_math_verifier_on_hand_worked_answers(answer, reference, right):
     assert math_score("prompt", answer, reference) == float(right)
@@ -42,6 +53,8 @@ def test_final_answers_and_numbers():
     assert final_answer("work #### 12") == "12" and final_answer(" 7") == "7"
     assert as_number("\\frac{6}{8}") == as_number("0.75") == as_number("3/4")
     assert as_number("no number") is None
+    assert as_number("25%") == 25 and as_number("\\frac{1}{2}%") == Fraction(1, 2)
+    assert final_answer("#### Step 1\nwork\n\\boxed{7} in all #### Step 2") == "7"
 
 
 def _folder(tmp_path, rows_train, rows_eval, name="qa"):

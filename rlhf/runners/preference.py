@@ -48,9 +48,9 @@ def pair_logprobs(engine, batch: dict, partner_grad: bool = True) -> torch.Tenso
     return torch.cat([logp(slice(None, n)), partners])
 
 
-def scored(engine, ref, batch: dict, step_cfg) -> tuple[losses.PreferenceResult, torch.Tensor]:
+def scored(engine, ref, batch: dict, step_cfg) -> losses.PreferenceResult:
     """The step's preference loss on one batch from the policy's log-probs, the reference's (precomputed
-    columns, or the reference engine's forward), the answers' lengths and labels; and the policy's log-probs."""
+    columns, or the reference engine's forward), the answers' lengths and labels."""
     ref_logp = None
     if "ref_chosen" in batch:
         ref_logp = torch.cat([batch["ref_chosen"], batch["ref_rejected"]])
@@ -60,7 +60,7 @@ def scored(engine, ref, batch: dict, step_cfg) -> tuple[losses.PreferenceResult,
     spec = STEPS[step_cfg.name]
     logp = pair_logprobs(engine, batch, partner_grad=spec.rows != "unpaired")
     pb = losses.PreferenceBatch(logp, batch["answer_mask"].sum(-1), ref_logp, batch.get("desirable"))
-    return losses.PREFERENCE_LOSSES[spec.loss](pb, step_cfg), logp
+    return losses.PREFERENCE_LOSSES[spec.loss](pb, step_cfg)
 
 
 @torch.no_grad()
@@ -86,10 +86,10 @@ def precompute_reference(ref, ds, collate, batch_size: int):
 
 def evaluate(engine, ref, loader, step_cfg) -> dict[str, float]:
     """Loss, preference accuracy, the chosen and rejected answers' rewards and their margin, and the
-    chosen answers' summed log-probs under the policy."""
+    chosen (KTO: desirable) answers' summed log-probs under the policy."""
     def figures(batch: dict) -> tuple:
-        r, logp = scored(engine, ref, batch, step_cfg)
-        return r.loss.expand(len(r.right)), r.right, r.chosen, r.rejected, losses.halves(logp)[0]
+        r = scored(engine, ref, batch, step_cfg)
+        return r.loss.expand(len(r.right)), r.right, r.chosen, r.rejected, r.chosen_logp
 
     m = common.mean_eval(engine, loader, ("loss", "pref_acc", "chosen_reward", "rejected_reward", "chosen_logp"),
                          figures)
@@ -189,7 +189,7 @@ def run(cfg: Config) -> dict:
         return False
 
     def micro_step(batch: dict) -> tuple:
-        r = scored(engine, ref, batch, step_cfg)[0]
+        r = scored(engine, ref, batch, step_cfg)
         # Sums and row counts, not means: a micro batch of unpaired rows can hold no answer of one kind
         # (at one row per micro batch every one lacks a kind), and the window's means are over its rows.
         return r.loss, {"pref_acc": r.right.mean().item(), "chosen_reward": r.chosen.sum().item(),
