@@ -214,7 +214,7 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
         t2 = time.perf_counter()
         actor.train()
         logprobs = losses.token_logprobs(answer_logits(actor, seq, attn), response, s.temperature)
-        losses.masked_mean(losses.clipped_surrogate(logprobs, old_logprobs, advantages, s.clip_range)[0],
+        losses.masked_mean(losses.clipped_surrogate(logprobs, old_logprobs, advantages, s.clip_eps_low, s.clip_eps_high)[0],
                            rmask).backward()
         opt_actor.step()
         opt_actor.zero_grad(set_to_none=True)

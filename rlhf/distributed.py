@@ -47,6 +47,15 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
+def min_over_ranks(n: float) -> float:
+    """The least of every rank's ``n`` (for a decision every rank must take alike)."""
+    if world_size() == 1:
+        return n
+    out = torch.tensor([float(n)], device=_comm_device())
+    dist.all_reduce(out, op=dist.ReduceOp.MIN)
+    return out.item()
+
+
 def cat_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """Every rank's ``t`` (the same shape on each rank) concatenated along dim 0, in rank order."""
     if world_size() == 1:

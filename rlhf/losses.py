@@ -7,6 +7,7 @@ Each function is tested against hand-worked numbers in tests/test_losses.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -565,14 +566,110 @@ KL_PLACES = ("reward", "loss")
 
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate objective per token, as a loss: max(-A r, -A clip(r, 1 - eps, 1 + eps)),
-    r = exp(logprobs - old_logprobs); and where the clipped term won (for the clip fraction).
-    Aggregated over tokens by ``aggregate``."""
+                      clip_low: float, clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate objective per token, as a loss: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)),
+    r = exp(logprobs - old_logprobs), eps_high = eps_low unless given (DAPO's clip-higher raises it so that
+    unlikely tokens with a positive advantage can grow); and where the clipped term won (the clip
+    fraction). Aggregated over tokens by ``aggregate``."""
+    high = clip_low if clip_high is None else clip_high
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def gspo_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, GSPO-token form) per token, as a loss: the clipped surrogate of
+    s_t = sg[s] * pi(y_t) / sg[pi(y_t)], where s = exp(mean over the answer's tokens of log r) is the
+    sequence's length-normalised ratio (pi(y) / pi_old(y))^(1/|y|). Each token's value is its answer's
+    -min(s A, clip(s, 1 - eps_low, 1 + eps_high) A), and with an answer-constant advantage the token
+    mean's gradient is the sequence objective's, so seq_mean_token_mean aggregation gives the paper's
+    1/G sum over answers; the ratio is clipped (and the clip fraction counted) by answer."""
+    log_seq = masked_mean(logprobs - old_logprobs, mask, dim=-1).unsqueeze(-1)
+    ratio = torch.exp(log_seq.detach() + logprobs - logprobs.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def cispo_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, Chen et al. 2025) per token, as a loss: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A
+    log pi. The importance weight is clipped and detached instead of the update: every token keeps a
+    gradient (PPO's clip zeroes those beyond the range, often the rare tokens that reflect); and where
+    the weight was clipped."""
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logprobs, weight != ratio
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy objective (step.policy_loss): its per-token loss, the clip range it takes when
+    step.clip_eps_low / step.clip_eps_high are unset (None: step.clip_range), the aggregation its paper
+    defines (None: the advantage estimator's), and its source."""
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    clip: tuple[float, float] | None
+    loss_agg: str | None
+    source: str
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": PolicyLoss(lambda lp, old, adv, mask, lo, hi: clipped_surrogate(lp, old, adv, lo, hi), None, None,
+                      "Schulman et al. 2017; clip-higher: DAPO (Yu et al. 2025)"),
+    # The paper's ranges (section 5.1): the sequence ratio is a per-token geometric mean, near 1.
+    "gspo": PolicyLoss(gspo_surrogate, (3e-4, 4e-4), "seq_mean_token_mean", "Zheng et al. 2025 (GSPO)"),
+    # No lower bound on the weight (the paper tunes only the upper one); the cap 5 is TRL's
+    # recommended epsilon_high for CISPO, after ScaleRL (Khatri et al. 2025).
+    "cispo": PolicyLoss(lambda lp, old, adv, mask, lo, hi: cispo_surrogate(lp, old, adv, lo, hi), (1.0, 4.0),
+                        "token_mean", "MiniMax-M1 (Chen et al. 2025, CISPO)"),
+}
+
+
+# ----------------------------------------------------------------------------- rollout correction
+def rollout_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, method: str,
+                       low: float, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights [B, T] for the gap between the distribution that sampled the answers (the
+    sampler's log-probs) and the one the trainer computes for the same weights (``old_logprobs``,
+    a training forward's), rho = pi_train / pi_sampler, detached; and the tokens whose weight was
+    changed (capped or masked). Multiplied into the policy loss per token.
+
+    tis:    min(rho_t, cap) per token (Yao et al. 2025, truncated importance sampling).
+    mis:    rho(y) 1[rho(y) <= cap] per answer, rho(y) the product of its tokens' ratios (Liu et al.
+            2025, masked importance sampling): an answer sampled too far from the trainer is dropped.
+    icepop: rho_t 1[low <= rho_t <= cap] per token (Ling team 2025, IcePop): both tails masked."""
+    mask = mask.to(old_logprobs.dtype)
+    log_rho = ((old_logprobs - sampler_logprobs) * mask).detach()
+    if method == "tis":
+        rho = log_rho.exp()
+        weight, changed = rho.clamp(max=cap), rho > cap
+    elif method == "mis":
+        seq = log_rho.sum(-1, keepdim=True)  # compared in logs: the product overflows on long answers
+        keep = seq <= math.log(cap)
+        weight = torch.where(keep, seq.clamp(max=math.log(cap)).exp(), torch.zeros_like(seq)).expand_as(log_rho)
+        changed = (~keep).expand_as(log_rho)
+    elif method == "icepop":
+        keep = (log_rho >= math.log(low)) & (log_rho <= math.log(cap))
+        weight, changed = torch.where(keep, log_rho.clamp(max=math.log(cap)).exp(), torch.zeros_like(log_rho)), ~keep
+    else:
+        raise ValueError(f"unknown rollout correction {method!r}")
+    return weight * mask, changed & mask.bool()
+
+
+# step.rollout_correction: the (low, cap) each method takes when step.rollout_correction_low / _cap are unset.
+ROLLOUT_CORRECTIONS: dict[str, tuple[float, float]] = {
+    "tis": (0.0, 2.0),     # C = 2, the TIS authors' setting
+    "mis": (0.0, 2.0),     # C = 2, Liu et al.'s experiments
+    "icepop": (0.5, 5.0),  # [0.5, 5]: OpenRLHF's default range for its IcePop correction
+}
+
+
+def overlong_penalty(lengths: torch.Tensor, budget: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) per answer: 0 up to budget - buffer tokens,
+    then falling linearly to -factor at the budget; ``lengths`` count the answer's tokens, eos included."""
+    return (-(lengths - (budget - buffer)) / buffer * factor).clamp(max=0.0)
 
 
 def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

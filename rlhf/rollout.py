@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import deepspeed
 import torch
@@ -70,6 +70,10 @@ class Experience:
     scores: Scores
     # Seconds spent generating (the rest of make_experience is scoring).
     generate_s: float
+    # step.rollout_correction's per-token importance weights (sampler against trainer), detached; None: off.
+    is_weights: torch.Tensor | None = None
+    # The drawing's figures over all ranks (rollout/zero_std_frac, dynamic sampling's, the correction's).
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str,

@@ -146,6 +146,88 @@ def test_clipped_surrogate_by_hand():
     assert loss.item() == pytest.approx(math.exp(0.5), abs=1e-6) and not clipped.item()
 
 
+def test_clip_higher_by_hand():
+    """DAPO's clip-higher: ratio e^0.25 = 1.2840 with A = 1 is clipped at 1.2 by a symmetric 0.2, not by
+    eps_high 0.28 (the upper bound 1.28 < 1.2840 still clips, at 1.28); ratio e^-0.5 = 0.6065 with
+    A = -1 is clipped at the lower bound 0.8 either way (its term -A * 0.8 = 0.8 wins)."""
+    loss, clipped = losses.clipped_surrogate(t([[0.25]]), t([[0.0]]), t([[1.0]]), 0.2, 0.28)
+    assert loss.item() == pytest.approx(-1.28) and clipped.item()
+    loss, clipped = losses.clipped_surrogate(t([[0.2]]), t([[0.0]]), t([[1.0]]), 0.2, 0.28)
+    assert loss.item() == pytest.approx(-math.exp(0.2), abs=1e-6) and not clipped.item()  # 1.2214 < 1.28: kept
+    loss, clipped = losses.clipped_surrogate(t([[-0.5]]), t([[0.0]]), t([[-1.0]]), 0.2, 0.28)
+    assert loss.item() == pytest.approx(0.8) and clipped.item()
+
+
+def test_gspo_is_the_sequence_level_objective_by_hand():
+    """Answer log-ratios 0.1 and 0.3 (and a padded token): s = exp(0.2) = 1.2214. Inside a wide range
+    each token's loss is -A s, and the token mean's gradient is the sequence objective's: d(-A s)/d
+    logp_t = -A s / |y| per token. Clipped at 1 + 4e-4, nothing moves and every token counts as clipped."""
+    old = t([[0.0, 0.0, 0.0]])
+    mask = t([[1.0, 1.0, 0.0]])
+    logp = t([[0.1, 0.3, 5.0]]).requires_grad_()
+    loss, clipped = losses.gspo_surrogate(logp, old, t([[2.0, 2.0, 2.0]]), mask, 0.5, 0.5)
+    assert loss[0, :2].tolist() == pytest.approx([-2 * math.exp(0.2)] * 2, abs=1e-6) and not clipped[0, :2].any()
+    losses.masked_mean(loss, mask, dim=-1).sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-2 * math.exp(0.2) / 2] * 2 + [0.0], abs=1e-6)
+    logp.grad = None
+    loss, clipped = losses.gspo_surrogate(logp, old, t([[2.0, 2.0, 2.0]]), mask, 3e-4, 4e-4)
+    assert loss[0, 0].item() == pytest.approx(-2 * 1.0004, abs=1e-6) and clipped[0, :2].all()
+    losses.masked_mean(loss, mask, dim=-1).sum().backward()
+    assert logp.grad.abs().max().item() == 0.0
+
+
+def test_cispo_keeps_every_token_s_gradient_with_a_clipped_detached_weight():
+    """r = e^0.5 = 1.6487 with A = 1 and the cap 1.2: PPO would give no gradient; CISPO's loss is
+    -1.2 * logp with gradient -1.2; r = e^-0.1 = 0.9048 within (0, 1.2]: weight r, gradient -0.9048."""
+    logp = t([[0.5, -0.1]]).requires_grad_()
+    loss, clipped = losses.cispo_surrogate(logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]), 1.0, 0.2)
+    assert loss.tolist()[0] == pytest.approx([-1.2 * 0.5, -math.exp(-0.1) * -0.1], abs=1e-6)
+    assert clipped.tolist() == [[True, False]]
+    loss.sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-1.2, -math.exp(-0.1)], abs=1e-6)
+
+
+def test_rollout_corrections_by_hand():
+    """Trainer minus sampler log-probs 0.0, ln 3, ln 0.25 on one answer, ln 1.5 and a padded token on
+    another. TIS caps at 2: 1, 2, 0.25 | 1.5. MIS drops an answer whose product exceeds 2: the first's
+    is 3 * 0.25 = 0.75 (kept, 0.75 on every token), the second's 1.5 (kept). IcePop keeps tokens in
+    [0.5, 2]: 1, 0 (3 > 2), 0 (0.25 < 0.5) | 1.5. A padded token weighs 0 and is never counted as changed."""
+    old = t([[0.0, math.log(3), math.log(0.25)], [math.log(1.5), 0.0, 0.0]])
+    sampler = torch.zeros(2, 3)
+    mask = t([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    w, changed = losses.rollout_correction(old, sampler, mask, "tis", 0.0, 2.0)
+    assert w.tolist() == [pytest.approx([1.0, 2.0, 0.25]), pytest.approx([1.5, 0.0, 0.0])]
+    assert changed.tolist() == [[False, True, False], [False, False, False]]
+    w, changed = losses.rollout_correction(old, sampler, mask, "mis", 0.0, 2.0)
+    assert w.tolist() == [pytest.approx([0.75] * 3), pytest.approx([1.5, 0.0, 0.0])] and not changed.any()
+    w, _ = losses.rollout_correction(old, sampler, mask, "mis", 0.0, 1.2)  # 1.5 > 1.2: the second answer dropped
+    assert w[1].tolist() == [0.0, 0.0, 0.0] and w[0].tolist() == pytest.approx([0.75] * 3)
+    w, changed = losses.rollout_correction(old, sampler, mask, "icepop", 0.5, 2.0)
+    assert w.tolist() == [pytest.approx([1.0, 0.0, 0.0]), pytest.approx([1.5, 0.0, 0.0])]
+    assert changed.tolist() == [[False, True, True], [False, False, False]]
+    # An answer sampled far from the trainer (a product of e^800) is dropped, not overflowed to nan.
+    w, _ = losses.rollout_correction(t([[400.0, 400.0]]), torch.zeros(1, 2), torch.ones(1, 2), "mis", 0.0, 2.0)
+    assert w.tolist() == [[0.0, 0.0]]
+
+
+def test_dapo_soft_overlong_penalty_by_hand():
+    """Budget 20, buffer 4: no penalty up to 16 tokens, then -(len - 16) / 4 * factor: 18 -> -0.5, 20 -> -1."""
+    assert losses.overlong_penalty(t([10.0, 16.0, 18.0, 20.0]), 20, 4, 1.0).tolist() == [0.0, 0.0, -0.5, -1.0]
+    assert losses.overlong_penalty(t([18.0]), 20, 4, 0.5).tolist() == [-0.25]
+
+
+def test_dynamic_sampling_keeps_the_groups_with_a_signal_first():
+    """Groups of 2: scores (1, 1) and (0, 1) in the first draw, (0, 0) and (1, 0) in the second: the
+    groups with a signal are group 1 of each draw; a batch of 2 takes both, no fill; a batch of 3 fills
+    with the first draw's group 0."""
+    from rlhf.runners.ppo_experience import pick_groups, signal_groups
+
+    signal = [signal_groups(t([1.0, 1.0, 0.0, 1.0]), 2), signal_groups(t([0.0, 0.0, 1.0, 0.0]), 2)]
+    assert [s.tolist() for s in signal] == [[False, True], [False, True]]
+    assert pick_groups(signal, 2) == ([[1], [1]], 0)
+    assert pick_groups(signal, 3) == ([[0, 1], [1]], 1)
+
+
 def test_clipped_value_error_by_hand():
     # Unclipped (1 - 2)^2 = 1; clipped value 0.2 gives (0.2 - 2)^2 = 3.24; 0.5 * max = 1.62.
     assert losses.clipped_value_error(t([[1.0]]), t([[0.0]]), t([[2.0]]), 0.2).item() == pytest.approx(1.62)

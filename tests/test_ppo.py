@@ -188,6 +188,69 @@ def test_critic_free_estimators_build_no_critic_and_move_the_actor(tmp_path, sft
     assert all(math.isfinite(r["policy_loss"]) and math.isfinite(r["kl_k1"]) for r in rows)
 
 
+# A rule whose score is constant on three prompts in four (by their text): those groups carry no signal
+# whatever the policy samples, so dynamic sampling must drop them and draw more prompts.
+_HALF_SILENT_RULE = """
+def score(prompt, answer):
+    if sum(map(ord, prompt)) % 4:
+        return 0.0
+    return float(sum(map(ord, answer)) % 2)
+"""
+
+
+@pytest.mark.parametrize("extra", [
+    ["step.policy_loss=gspo", "step.dynamic_sampling=true", "step.overlong_buffer=2"],
+    ["step.policy_loss=cispo", "step.rollout_correction=tis"],
+    ["step.clip_eps_high=0.28", "step.rollout_correction=icepop", "step.reward_fn=null"],
+    ["step.rollout_correction=mis", "step.advantage_estimator=rloo"],
+], ids=["gspo-dynamic-overlong", "cispo-tis", "clip_higher-icepop-gae", "rloo-mis"])
+def test_rlvr_objectives_and_corrections_train_the_actor(tmp_path, sft_and_reward, monkeypatch, extra):
+    """Each objective (GSPO, CISPO, PPO with clip-higher) and rollout correction trains through the PPO
+    step. In fp32 the sampler's and a training forward's log-probs agree to rounding (by construction:
+    the same weights and precision), so a correction changes no token; dynamic sampling meets groups
+    without a signal in every step (the rule above) and draws more prompts to replace them."""
+    sft, rm = sft_and_reward
+    (tmp_path / "silent_rule.py").write_text(_HALF_SILENT_RULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    critic_free = ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.reward_fn=silent_rule:score",
+                   "step.reward_model_weight=0"]
+    final = run(compose([*PPO_FAST, *([] if "step.reward_fn=null" in extra else critic_free), *extra,
+                         f"actor.path={sft}", f"critic.path={rm}", f"run_dir={tmp_path / 'run'}"]))
+    assert final["actor_weight_change"] > 0 and final["reference_weight_change"] == 0.0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "policy_loss" in line]
+    assert len(rows) == 3 and all(math.isfinite(r["policy_loss"]) and math.isfinite(r["loss"]) for r in rows)
+    if any("rollout_correction" in x for x in extra):
+        assert final["old_logprobs"] == "recompute", "a correction weighs the sampler against a training forward"
+        assert all(r["rollout/sampler_logprob_diff"] < 1e-4 and r["rollout/correction_changed_frac"] == 0.0
+                   for r in rows)
+    if "step.dynamic_sampling=true" in extra:
+        assert all(r["rollout/zero_std_frac"] > 0 for r in rows)
+        assert all(r["rollout/prompt_draws"] >= 2 for r in rows), "silent groups were replaced by more prompts"
+        assert all(0.0 <= r["rollout/dynamic_fill_frac"] < 1.0 for r in rows)
+
+
+def test_rlvr_options_refuse_what_cannot_work_naming_the_key():
+    def step(*overrides):
+        return to_schema(compose(["step=ppo", *overrides])).step
+
+    with pytest.raises(ConfigError, match="step.policy_loss=gspo clips one ratio per answer.*leave step.loss_agg unset"):
+        step("step.policy_loss=gspo", "step.loss_agg=token_mean")
+    with pytest.raises(ConfigError, match="step.rollout_correction=tis with step.old_logprobs=rollout.*recompute"):
+        step("step.rollout_correction=tis", "step.old_logprobs=rollout")
+    with pytest.raises(ConfigError, match="step.dynamic_sampling.*step.samples_per_prompt >= 2"):
+        step("step.dynamic_sampling=true")
+    with pytest.raises(ConfigError, match="step.overlong_buffer=9 must be in \\[0, step.max_new_tokens=8\\]"):
+        step("step.overlong_buffer=9")
+    with pytest.raises(ConfigError, match="step.policy_loss='sapo'.*ppo, gspo, cispo"):
+        step("step.policy_loss=sapo")
+    # Unset ranges take each paper's.
+    assert (step("step.policy_loss=gspo").clip_eps_low, step("step.policy_loss=gspo").clip_eps_high) == (3e-4, 4e-4)
+    assert (step("step.clip_eps_high=0.28").clip_eps_low, step("step.clip_eps_high=0.28").clip_eps_high) == (0.2, 0.28)
+    assert step("step.policy_loss=cispo").loss_agg == "token_mean"
+    tis = step("step.rollout_correction=tis")
+    assert (tis.rollout_correction_cap, tis.old_logprobs) == (2.0, "recompute"), "auto takes both log-probs"
+
+
 def test_critic_free_estimators_leave_the_critic_out_of_the_memory_preflight():
     from rlhf import memory
 

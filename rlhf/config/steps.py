@@ -354,8 +354,39 @@ class PPOStepConfig(StepConfig):
     # Whiten GAE's advantages over the rollout batch (the critic-free estimators normalize by their own
     # definition: per group, or over the batch for REINFORCE++).
     whiten_advantages: bool = True
-    # PPO policy clip range.
+    # PPO policy clip range (both sides, unless step.clip_eps_low / step.clip_eps_high say otherwise).
     clip_range: float = 0.2
+    # The policy objective (rlhf.losses.POLICY_LOSSES): ppo (the clipped surrogate), gspo (its
+    # sequence-level ratio and clip, Zheng et al. 2025) or cispo (a clipped, detached importance
+    # weight on a REINFORCE term, MiniMax-M1); each works with every advantage estimator.
+    policy_loss: str = "ppo"
+    # The ratio's lower clip, 1 - this; null: step.clip_range for ppo, the objective's paper's otherwise
+    # (gspo 3e-4; cispo 1.0, no lower bound on its weight).
+    clip_eps_low: float | None = None
+    # The ratio's upper clip, 1 + this; null: as clip_eps_low (gspo 4e-4, cispo 4.0). DAPO's clip-higher
+    # sets it above the lower one (0.28 against 0.2).
+    clip_eps_high: float | None = None
+    # Correct the update for the gap between the sampler's log-probs and a training forward's of the same
+    # weights (a rollout decoded in another precision or by another kernel): none, tis (weights capped at
+    # the cap), mis (answers whose ratio exceeds the cap dropped), icepop (tokens outside [low, cap]
+    # dropped); needs step.old_logprobs recompute (auto chooses it). The gap is logged as
+    # rollout/sampler_logprob_diff.
+    rollout_correction: str = "none"
+    # IcePop's lower bound on a token's ratio; null: 0.5.
+    rollout_correction_low: float | None = None
+    # The ratio's cap (TIS's C, MIS's threshold, IcePop's upper bound); null: 2.0 for tis and mis, 5.0 for icepop.
+    rollout_correction_cap: float | None = None
+    # DAPO's dynamic sampling: drop the prompts whose answers all scored the same (no signal for a
+    # group advantage) and draw more prompt batches until the rollout batch is full of prompts with a signal.
+    dynamic_sampling: bool = False
+    # Prompt batches one PPO step may draw under step.dynamic_sampling; short of a full batch after
+    # them, the rest is filled with dropped prompts (advantage 0) and counted in rollout/dynamic_fill_frac.
+    dynamic_sampling_max_draws: int = 10
+    # DAPO's soft overlong punishment: the last this-many tokens before step.max_new_tokens take a penalty
+    # in the score, rising linearly to step.overlong_penalty_factor at the budget; 0: off.
+    overlong_buffer: int = 0
+    # The soft overlong penalty at the budget (subtracted from the score).
+    overlong_penalty_factor: float = 1.0
     # Value clip range.
     value_clip_range: float = 0.2
     # Weight of the value loss (the critic has its own optimizer; this scales its loss).
@@ -412,7 +443,7 @@ class PPOStepConfig(StepConfig):
         if self.early_stop_patience and not self.eval_every_steps:
             raise ConfigError("step.early_stop_patience needs evaluations to compare: set step.eval_every_steps > 0 "
                               "or step.early_stop_patience=0")
-        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES, LOSS_AGGS
+        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
         _choice("step.advantage_estimator", self.advantage_estimator, tuple(ESTIMATORS))
         estimator = ESTIMATORS[self.advantage_estimator]
@@ -421,9 +452,47 @@ class PPOStepConfig(StepConfig):
             self.kl_estimator = estimator.kl_estimator
         if self.kl_in is None:
             self.kl_in = estimator.kl_in
+        _choice("step.policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
+        objective = POLICY_LOSSES[self.policy_loss]
+        if objective.loss_agg == "seq_mean_token_mean" and self.loss_agg not in (None, objective.loss_agg):
+            raise ConfigError(f"step.policy_loss={self.policy_loss} clips one ratio per answer and averages over "
+                              f"answers (seq_mean_token_mean); step.loss_agg={self.loss_agg} would weigh answers by "
+                              "length: leave step.loss_agg unset")
         if self.loss_agg is None:
-            self.loss_agg = estimator.loss_agg
+            self.loss_agg = objective.loss_agg or estimator.loss_agg
         _choice("step.loss_agg", self.loss_agg, tuple(LOSS_AGGS))
+        low, high = objective.clip or (self.clip_range, self.clip_range)
+        self.clip_eps_low = low if self.clip_eps_low is None else self.clip_eps_low
+        self.clip_eps_high = (self.clip_eps_low if objective.clip is None else high) if self.clip_eps_high is None \
+            else self.clip_eps_high
+        _positive("step.clip_eps_low", self.clip_eps_low, allow_zero=True)
+        _positive("step.clip_eps_high", self.clip_eps_high, allow_zero=True)
+        if self.clip_eps_low > 1.0:
+            raise ConfigError(f"step.clip_eps_low={self.clip_eps_low}: the lower clip 1 - clip_eps_low would be "
+                              "negative; at most 1.0 (no lower bound)")
+        _choice("step.rollout_correction", self.rollout_correction, ("none", *ROLLOUT_CORRECTIONS))
+        if self.rollout_correction != "none":
+            default_low, default_cap = ROLLOUT_CORRECTIONS[self.rollout_correction]
+            self.rollout_correction_low = default_low if self.rollout_correction_low is None \
+                else self.rollout_correction_low
+            self.rollout_correction_cap = default_cap if self.rollout_correction_cap is None \
+                else self.rollout_correction_cap
+            if not 0 <= self.rollout_correction_low < 1 <= self.rollout_correction_cap:
+                raise ConfigError(f"step.rollout_correction_low={self.rollout_correction_low} and "
+                                  f"step.rollout_correction_cap={self.rollout_correction_cap} must bracket 1 "
+                                  "(low in [0, 1), cap >= 1): a ratio of 1 is a token sampled as the trainer sees it")
+            if self.old_logprobs == "rollout":
+                raise ConfigError(f"step.rollout_correction={self.rollout_correction} with step.old_logprobs=rollout: "
+                                  "the correction weighs the sampler's log-probs against a training forward's, and "
+                                  "with old_logprobs=rollout there is none; set step.old_logprobs=recompute (or auto)")
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise ConfigError("step.dynamic_sampling drops the prompts whose answers all scored the same: it needs "
+                              f"step.samples_per_prompt >= 2 (got {self.samples_per_prompt})")
+        _positive("step.dynamic_sampling_max_draws", self.dynamic_sampling_max_draws)
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(f"step.overlong_buffer={self.overlong_buffer} must be in [0, step.max_new_tokens="
+                              f"{self.max_new_tokens}]: it counts the tokens before the budget that take a penalty")
+        _positive("step.overlong_penalty_factor", self.overlong_penalty_factor, allow_zero=True)
         if not self.do_sample:
             raise ConfigError(
                 "step.do_sample=false: PPO scores each rollout as a draw of softmax(logits / step.temperature), which "
@@ -477,8 +546,10 @@ class PPOStepConfig(StepConfig):
     def check_run(self, cfg) -> None:
         if self.old_logprobs == "auto":
             # Derived from the precision: in 16 bits the decode's cached forwards and the full forwards that
-            # score the new and reference log-probs round apart, so the old ones must come from a full one too.
-            self.old_logprobs = "rollout" if cfg.hardware.precision == "fp32" else "recompute"
+            # score the new and reference log-probs round apart, so the old ones must come from a full one too;
+            # a rollout correction weighs the two against each other, so it needs both.
+            self.old_logprobs = "rollout" if cfg.hardware.precision == "fp32" and self.rollout_correction == "none" \
+                else "recompute"
         if cfg.model.random_init and cfg.model.max_positions is not None and \
                 self.max_prompt_len + self.max_new_tokens > cfg.model.max_positions:
             raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = {self.max_prompt_len + self.max_new_tokens} "

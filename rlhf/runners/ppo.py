@@ -177,9 +177,19 @@ def _train(setup: Setup, state: PPOState) -> None:
     profiler = StepProfiler(cfg, rank)
     bar = tqdm(total=steps, initial=state.step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(start_epoch, step_cfg.epochs):
-        for index, batch in _prompt_batches(setup.prompts, epoch, state.rng if epoch == start_epoch else None, skip):
+        batches = _prompt_batches(setup.prompts, epoch, state.rng if epoch == start_epoch else None, skip)
+        for index, batch in batches:
+            consumed = [index]
+
+            def draw_more(batches=batches, consumed=consumed):  # step.dynamic_sampling's further prompt batches
+                more = next(batches, None)
+                if more is not None:
+                    consumed.append(more[0])
+                return None if more is None else more[1]
+
             profiler.before(state.step + 1)
-            metrics = train_step(setup, state, batch, epoch)
+            metrics = train_step(setup, state, batch, epoch, draw_more)
+            index = consumed[-1]  # the last prompt batch this step used: a resume goes on after it
             _ema_update(state.ema, setup.roles.actor, step_cfg.ema_decay)
             state.step, state.last_kl = state.step + 1, metrics["kl"]
             profiler.after(state.step)
@@ -221,13 +231,13 @@ def _prompt_batches(prompts: Prompts, epoch: int, rng: dict | None, skip: int):
             yield index, batch
 
 
-def train_step(setup: Setup, state: PPOState, batch: dict, epoch: int) -> dict[str, float]:
+def train_step(setup: Setup, state: PPOState, batch: dict, epoch: int, draw_more=None) -> dict[str, float]:
     """One PPO step: rollouts and their scores, the updates, and the step's figures (rollout
     statistics over all ranks, losses, phase times, throughput); the KL controller moves after it."""
     cfg, roles, kl_ctl = setup.cfg, setup.roles, state.kl_ctl
     step_cfg, world = cfg.step, dist.get_world_size()
     t0 = time.perf_counter()
-    exp = make_experience(roles, batch, setup.sampling, step_cfg, kl_ctl, state.moments, setup.gathering)
+    exp = make_experience(roles, batch, setup.sampling, step_cfg, kl_ctl, state.moments, setup.gathering, draw_more)
     t1 = time.perf_counter()
     train = ppo_update(roles.actor, roles.critic, exp, step_cfg, kl_ctl.value, state.generator, setup.prompts.ptx)
     t2 = time.perf_counter()

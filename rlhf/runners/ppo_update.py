@@ -29,8 +29,8 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
     """step_cfg.ppo_epochs passes of clipped policy updates over the rollout batch in shuffled micro
     batches, each followed by the critic's clipped value update (when there is a critic).
 
-    The per-token loss (clipped surrogate, plus the KL where step.kl_in=loss, minus the entropy
-    bonus) is aggregated by step.loss_agg (rlhf.losses.LOSS_AGGS) over the whole optimizer step:
+    The per-token loss (step.policy_loss's objective, weighted by step.rollout_correction's importance
+    weights, plus the KL where step.kl_in=loss, minus the entropy bonus) is aggregated by step.loss_agg (rlhf.losses.LOSS_AGGS) over the whole optimizer step:
     every micro-batch divides by the step's count over all its micro-batches and ranks, and is
     scaled by accumulation x ranks because DeepSpeed divides each micro-batch's loss by the
     accumulation and averages gradients over ranks. The value loss is a mean over the step's tokens;
@@ -62,8 +62,10 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
                                              exp.eos_id, exp.sampling.min_new_tokens)
             logprobs, token_entropy = losses.token_logprobs_and_entropy(
                 logits, exp.response[idx], exp.sampling.temperature, entropy_grad=step_cfg.entropy_coef > 0)
-            pg_tokens, clipped = losses.clipped_surrogate(logprobs, exp.old_logprobs[idx], exp.advantages[idx],
-                                                          step_cfg.clip_range)
+            pg_tokens, clipped = losses.POLICY_LOSSES[step_cfg.policy_loss].fn(
+                logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, step_cfg.clip_eps_low, step_cfg.clip_eps_high)
+            if exp.is_weights is not None:  # step.rollout_correction: the sampler's distribution against the trainer's
+                pg_tokens = pg_tokens * exp.is_weights[idx]
             per_token = pg_tokens
             if step_cfg.kl_in == "loss":  # GRPO's place for the KL: its gradient pulls toward the reference
                 kl_tokens = losses.kl_penalty(logprobs, exp.ref_logprobs[idx], step_cfg.kl_estimator)
