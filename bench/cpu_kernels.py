@@ -13,6 +13,11 @@
   key/value heads x 64 dims (Llama 3's grouping), fp32, with a padding mask: ``enable_gqa=True``
   against the fold, and the largest difference of their outputs.
 
+- Chunked log-prob backward: the log-prob functions (rlhf/losses.py) walk time-sliced logits
+  (``logits[:, :-1]``, [32, 32, 50272] fp32, OPT's vocabulary) sequence by sequence on CPU. Times
+  forward and backward of ``token_logprobs`` chunked against one pass over the whole tensor, and the
+  largest difference of their gradients.
+
 Prints one JSON line of microseconds (best of 5 repeats of N calls) and the CPU's bf16 support.
 
     python bench/cpu_kernels.py
@@ -83,6 +88,24 @@ def grouped_query(fold: bool) -> tuple[float, torch.Tensor]:
     return best_us(call, 200), call()
 
 
+def logprob_backward(chunked: bool) -> tuple[float, torch.Tensor]:
+    from rlhf import losses
+
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(32, 33, 50272, generator=gen).requires_grad_()
+    tokens = torch.randint(0, 50272, (32, 32), generator=gen)
+    saved = losses.LOGPROB_CHUNK_BYTES
+
+    def call():
+        full.grad = None
+        losses.LOGPROB_CHUNK_BYTES = saved if chunked else 1 << 40
+        try:
+            losses.token_logprobs(full[:, :-1], tokens).sum().backward()
+        finally:
+            losses.LOGPROB_CHUNK_BYTES = saved
+    return best_us(call, 1), (call(), full.grad.clone())[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -103,6 +126,10 @@ def main() -> None:
     (out["gqa_enable_gqa_us"], plain), (out["gqa_fold_us"], folded) = grouped_query(False), grouped_query(True)
     out["gqa_fold_over_enable_gqa"] = round(out["gqa_fold_us"] / out["gqa_enable_gqa_us"], 3)
     out["gqa_fold_max_diff"] = (plain - folded).abs().max().item()
+    (out["logprob_bwd_chunked_us"], g_chunked), (out["logprob_bwd_one_pass_us"], g_one) = (
+        logprob_backward(True), logprob_backward(False))
+    out["logprob_bwd_chunked_over_one_pass"] = round(out["logprob_bwd_chunked_us"] / out["logprob_bwd_one_pass_us"], 3)
+    out["logprob_bwd_max_grad_diff"] = (g_chunked - g_one).abs().max().item()
     print(json.dumps(out))
 
 

@@ -316,7 +316,10 @@ def _row_chunks(logits: torch.Tensor, tokens: torch.Tensor) -> list[tuple[torch.
     if logits.device.type != "cpu":
         return [(logits, tokens.unsqueeze(-1))]
     if logits.dim() > 2 and not logits.is_contiguous():
-        return [c for b in range(logits.shape[0]) for c in _row_chunks(logits[b], tokens[b])]
+        # unbind, not logits[b]: each indexing's backward writes a zero tensor of the whole logits, so B
+        # of them made the backward grow with B squared; unbind's backward stacks the pieces once.
+        return [c for rows, toks in zip(logits.unbind(0), tokens.unbind(0), strict=True)
+                for c in _row_chunks(rows, toks)]
     n = max(1, LOGPROB_CHUNK_BYTES // (4 * logits.shape[-1]))
     rows, toks = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
     return list(zip(rows.split(n), toks.split(n), strict=True))
