@@ -79,7 +79,9 @@ class Experience:
 def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, split: str,
                    long_prompts: str = "drop") -> list[dict]:
     """Tokenized prompts (bos included). Longer than max_prompt_len: dropped and counted (DeepSpeed-Chat's
-    rule), or with ``truncate_left`` cut to their last tokens (bos kept) and counted as truncated."""
+    rule), or with ``truncate_left`` cut to their last tokens (bos kept) and counted as truncated; a
+    truncated prompt keeps its row's text as ``prompt``, the key a rule's reference answer and the
+    shipped rule's parsing read (the task is the whole question, whatever part of it the policy sees)."""
     out, seen = [], set()
     for row in rows:
         prompt = row["prompt"]
@@ -96,7 +98,6 @@ def prompt_dataset(rows, tokenizer, max_prompt_len: int, report: DataReport, spl
                 continue
             keep_bos = ids[:1] if ids[0] == tokenizer.bos_token_id else []
             ids = keep_bos + ids[len(ids) - (max_prompt_len - len(keep_bos)):]
-            prompt = tokenizer.decode(ids, skip_special_tokens=True)  # the text the policy really sees
             report.truncated[split] = report.truncated.get(split, 0) + 1
         out.append({"input_ids": ids, "prompt": prompt})
     if not out:

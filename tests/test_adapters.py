@@ -182,4 +182,5 @@ def test_long_ppo_prompts_are_dropped_or_left_truncated():
     report = DataReport()
     kept = prompt_dataset(rows, tok, 8, report, "train", long_prompts="truncate_left")
     assert len(kept) == 2 and len(kept[0]["input_ids"]) == 8 and kept[0]["input_ids"][0] == tok.bos_token_id
-    assert kept[0]["prompt"].endswith("i j Assistant:") and report.truncated == {"train": 1}
+    assert tok.decode(kept[0]["input_ids"], skip_special_tokens=True).endswith("i j Assistant:")
+    assert kept[0]["prompt"] == rows[0]["prompt"] and report.truncated == {"train": 1}, "the row's text: a rule's key"

@@ -89,6 +89,22 @@ def test_prompt_and_answer_rows_serve_sft_and_ppo_and_the_pairwise_steps_refuse_
         rule(" Human: What is 7 - 1? Assistant:", " 6")
 
 
+def test_left_truncated_prompts_are_scored_against_their_rows_references(tmp_path):
+    """data.long_prompts=truncate_left cuts a long prompt to its last tokens; the rule still finds the
+    row's reference answer (it once looked up the cut text, found none and blamed the data)."""
+    filler = " ".join(["context"] * 40)
+    rows = [{"prompt": f" Human: {filler} What is {i} + {i}? Assistant:", "answer": f" {2 * i}"} for i in range(24)]
+    data = _folder(tmp_path, rows, rows[:8])
+    final = run(compose(["step=ppo", f"data.sources=[{{path: {data}}}]", "data.rule=math", "data.long_prompts=truncate_left",
+                         "step.reward_fn=rule", "step.reward_model_weight=0", "step.advantage_estimator=grpo",
+                         "step.samples_per_prompt=4", "step.rollout_batch_size_per_device=8",
+                         "step.micro_batch_size_per_device=8", "step.max_steps=2", "step.max_prompt_len=16",
+                         "step.eval_prompts=8", "step.eval_every_steps=0", "step.keep_best=false", *QUIET,
+                         f"run_dir={tmp_path / 'run'}"]))
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert report["truncated"]["train"] > 0 and "eval/accuracy" in final
+
+
 def test_a_users_rule_with_a_reference_parameter_receives_it_and_a_two_argument_rule_still_works(tmp_path, monkeypatch):
     data = _folder(tmp_path, _qa(20), _qa(5, 100))
     (tmp_path / "my_rules.py").write_text(
