@@ -40,6 +40,13 @@ METHODS = {
     "rloo": ["step.advantage_estimator=rloo", "step.samples_per_prompt=4"],
     "reinforce_pp": ["step.advantage_estimator=reinforce_pp"],
     "reinforce_pp_baseline": ["step.advantage_estimator=reinforce_pp_baseline", "step.samples_per_prompt=4"],
+    # GRPO's advantages with the field's later additions, one at a time: DAPO's clip-higher and dynamic
+    # sampling, the GSPO and CISPO objectives, and TIS (a no-op where sampler and trainer agree, as in fp32).
+    "grpo_clip_higher": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.clip_eps_high=0.28"],
+    "grpo_dynamic": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.dynamic_sampling=true"],
+    "gspo": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.policy_loss=gspo"],
+    "cispo": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.policy_loss=cispo"],
+    "grpo_tis": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.rollout_correction=tis"],
 }
 REWARDS = {"rm": [], "rule": ["step.reward_fn=rule", "step.reward_model_weight=0"]}
 # DPO variants over the chain's DPO stage (conf/stage/e2e/dpo.yaml): plain DPO, with RPO's NLL term
