@@ -213,6 +213,30 @@ def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, 
             f"with the rule ({rule}; it cannot be gamed, so each rollout batch gets 4 update passes): {RULE_REWARD_FIX}")
 
 
+# Prompts the start check samples groups for, and the least fraction of them whose answers must score
+# differently: a group whose answers all score alike has every group advantage 0, so below it almost
+# every rollout batch trains on nothing but the KL (and dynamic sampling would draw 20 batches per step).
+GROUP_CHECK_PROMPTS = 32
+MIN_GROUP_SIGNAL = 0.05
+
+
+def no_group_signal(signal: dict, step_cfg, prefix: str = "") -> str | None:
+    """Why a group estimator cannot learn from the start policy (rlhf.runners.ppo_judge.group_signal's
+    figures): almost every prompt's sampled answers score alike; None otherwise or without figures.
+    ``prefix`` goes before the keys of the fix (pipeline.ppo. in a chain)."""
+    frac = signal.get("select/policy_signal_frac")
+    if frac is None or frac >= MIN_GROUP_SIGNAL:
+        return None
+    mean, k = signal["select/policy_group_score_mean"], step_cfg.samples_per_prompt
+    state = ("its answers score the same on almost every prompt" if 0 < mean < 1 else
+             f"it gets almost every prompt {'right' if mean >= 1 else 'wrong'} every time (mean score {mean:.3f})")
+    return (f"only {frac:.1%} of the start policy's groups of {k} sampled answers score differently, below "
+            f"{MIN_GROUP_SIGNAL:.0%}: {state}, so their {step_cfg.advantage_estimator} advantages are all 0 and "
+            f"there is nothing to learn from. Sample more answers per prompt ({prefix}step.samples_per_prompt={2 * k}) or "
+            f"at a higher temperature ({prefix}step.temperature), or start from a policy that solves some of the prompts "
+            f"(train SFT longer, or on answers shaped like the rule expects)")
+
+
 def chain_settings(step_dir: Path):
     """The pipeline settings of the chain whose step runs in ``step_dir`` (rlhf.config.PipelineConfig),
     read from the chain's config.yaml in the folder above; None for a step run on its own."""

@@ -229,6 +229,29 @@ def test_rlvr_objectives_and_corrections_train_the_actor(tmp_path, sft_and_rewar
         assert all(0.0 <= r["rollout/dynamic_fill_frac"] < 1.0 for r in rows)
 
 
+@pytest.mark.parametrize("rule,silent", [("0.0", True), ("float(sum(map(ord, answer)) % 2)", False)])
+def test_the_start_check_counts_the_groups_with_a_signal_and_warns_where_almost_none_has_one(
+        tmp_path, sft_and_reward, monkeypatch, rule, silent):
+    """A rule that scores every answer alike gives no group a signal (by construction): the start check
+    says so with the fraction and the fix; one that scores by the answer's text splits almost every group."""
+    sft, _ = sft_and_reward
+    module = f"group_rule_{int(silent)}"  # a module of its own per case: an import is cached
+    (tmp_path / f"{module}.py").write_text(f"def score(prompt, answer):\n    return {rule}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    final = run(compose([*PPO_FAST, "step.max_steps=1", "step.advantage_estimator=grpo", "step.samples_per_prompt=4",
+                         f"step.reward_fn={module}:score", "step.reward_model_weight=0", f"actor.path={sft}",
+                         f"run_dir={tmp_path / 'run'}"]))
+    start = next(json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
+                 if "select/policy_signal_frac" in line)
+    warned = [w for w in final["warnings"] if "of the start policy's groups of 4 sampled answers score differently" in w]
+    if silent:
+        assert start["select/policy_signal_frac"] == 0.0 and start["select/policy_group_score_mean"] == 0.0
+        assert len(warned) == 1 and "only 0.0%" in warned[0] and "step.samples_per_prompt=8" in warned[0]
+        assert "wrong every time" in warned[0]
+    else:
+        assert start["select/policy_signal_frac"] > 0.5 and not warned
+
+
 def test_rlvr_options_refuse_what_cannot_work_naming_the_key():
     def step(*overrides):
         return to_schema(compose(["step=ppo", *overrides])).step

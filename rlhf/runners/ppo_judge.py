@@ -72,6 +72,37 @@ def policy_check(roles: Roles, prompts: Prompts, cfg: Config, sampling: Sampling
     return out, sorted(scored, key=lambda r: -r["rm_score"])
 
 
+@torch.no_grad()
+def group_signal(roles: Roles, prompts: Prompts, cfg: Config, sampling: Sampling, gathering: int) -> dict[str, float]:
+    """For a group estimator (step.samples_per_prompt > 1): step.samples_per_prompt answers to each of
+    the first readiness.GROUP_CHECK_PROMPTS select prompts, sampled as the rollouts are and scored by
+    the reward PPO optimizes; the fraction of prompts whose answers scored differently
+    (select/policy_signal_frac: the groups whose advantages are not all 0) and the mean score. {}
+    for a single-sample estimator. The draws come from a forked RNG, as policy_check's."""
+    step_cfg, rank, world = cfg.step, dist.get_rank(), dist.get_world_size()
+    k = step_cfg.samples_per_prompt
+    if k < 2:
+        return {}
+    chosen = prompts.select[:readiness.GROUP_CHECK_PROMPTS]
+    mine = rank_share(chosen, rank, world)  # whole groups per rank
+    rows = [p for p in mine for _ in range(k)]
+    chunk = max(k, (step_cfg.generation_batch_size_per_device or step_cfg.rollout_batch_size_per_device) // k * k)
+    device, totals = roles.actor.device, []
+    for batch, response, rmask, answers in sampled_answers(roles.actor, rows, roles.tokenizer, chunk, cfg.seed + 7919 + rank,
+                                                           sampling, gathering=gathering, static=step_cfg.decode_graph):
+        seq = torch.cat([batch["input_ids"].to(device), response], 1)
+        attn = torch.cat([batch["attention_mask"].to(device), rmask], 1)
+        totals.append(sequence_scores(roles.reward, roles.rule_fn, seq, attn, batch["prompts"], answers, step_cfg,
+                                      chunk).total)
+    scores = torch.cat(totals).view(-1, k)[:first_copies(len(chosen), rank, world)]  # each prompt once
+    from rlhf.runners.ppo_experience import signal_groups
+
+    sums = cat_over_ranks(torch.tensor([[float(signal_groups(scores.flatten(), k).sum()), float(len(scores)),
+                                         float(scores.sum())]], dtype=torch.float64)).sum(0)
+    return {"select/policy_signal_frac": (sums[0] / sums[1]).item(),
+            "select/policy_group_score_mean": (sums[2] / (sums[1] * k)).item()}
+
+
 # The warnings' false-alarm level: one-sided, the tail of two standard errors of a normal estimate.
 FALSE_ALARM = NormalDist().cdf(-2.0)
 
@@ -234,24 +265,32 @@ class Judge:
         return self.cfg.step.keep_best and self.roles.eval_rule is not None and self.cfg.step.save_model
 
     def start_check(self) -> dict[str, float]:
-        """policy_check's figures, logged at step 0 with every scored answer in policy_check.jsonl; a
-        reason from ``gate`` stops PPO here (``stop_on_gate``) or becomes a warning."""
+        """policy_check's and group_signal's figures, logged at step 0 with every scored answer in
+        policy_check.jsonl; a reason from ``gate`` stops PPO here (``stop_on_gate``) or becomes a
+        warning. Too few groups with a signal stops a chain's PPO alike and warns a step run alone."""
         figures, scored = policy_check(self.roles, self.prompts, self.cfg, self.sampling, self.gathering)
-        if not figures:
+        signal = group_signal(self.roles, self.prompts, self.cfg, self.sampling, self.gathering)
+        if not figures and not signal:
             return {}
         run_dir = Path(self.cfg.run_dir)
-        self.logger.log(figures, step=0)
-        if dist.get_rank() == 0:
+        self.logger.log({**figures, **signal}, step=0)
+        if dist.get_rank() == 0 and figures:
             with open(run_dir / "policy_check.jsonl", "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in scored)
             say("[ppo] the reward model on the policy's own sampled answers: " +
                 " ".join(f"{k.removeprefix('select/')}={v:.4f}" for k, v in figures.items()))
-        why = self.gate and self.gate(figures, scored)
-        if why and self.stop_on_gate:
+        if dist.get_rank() == 0 and signal:
+            say(f"[ppo] groups of {self.cfg.step.samples_per_prompt} sampled answers whose scores differ: "
+                f"{signal['select/policy_signal_frac']:.1%} of {min(len(self.prompts.select), readiness.GROUP_CHECK_PROMPTS)} "
+                f"prompts (mean score {signal['select/policy_group_score_mean']:.3f})")
+        # In a chain the fix is the chain's key (pipeline.ppo.step.X); a step alone is only warned.
+        why = (self.gate and self.gate(figures, scored)) or readiness.no_group_signal(
+            signal, self.cfg.step, "pipeline.ppo." if self.gate else "")
+        if why and self.gate is not None and self.stop_on_gate:
             raise ConfigError(f"PPO stopped before its first update: {why}; {readiness.RUN_ANYWAY}")
         if why:
-            self.warn(f"ran though it may not work (pipeline.on_weak_step=warn): {why}")
-        return figures
+            self.warn(f"ran though it may not work{' (pipeline.on_weak_step=warn)' if self.gate else ''}: {why}")
+        return {**figures, **signal}
 
     def closing_notes(self, first: dict, last: dict, last_kl: float) -> None:
         """How the run went, said at its end: no rule to judge it, or still improving when it stopped."""
