@@ -26,12 +26,13 @@ takes less (the forecast is its cap).
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass, field
 
-from rlhf.config import STEPS, Config, ModelConfig, load_model_file, ppo_updates_per_step, step_roles
-from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, sizes, table_bytes
+from rlhf.config import STEPS, Config, ModelConfig, ppo_updates_per_step, step_roles
+from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, role_models, sizes, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
 # batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").
@@ -491,7 +492,7 @@ def rule_scores_data(cfg: Config) -> bool:
 
 
 def _critic_model(cfg: Config) -> ModelConfig:
-    return load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model
+    return role_models(cfg)[1]
 
 
 def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None = None,
@@ -499,8 +500,11 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     """The step's forecast on its preset: ``rows`` is the blend's train rows where they are not
     counted, ``part_rows`` the step's own rows (a benchmark's prompts) outright, ``lengths`` a
     benchmark's row lengths in tokens (prompt + answer, prompt) in place of the data's."""
+    # The policy is sized as the step loads it (actor.path's checkpoint for PPO and the preference methods).
+    sized = copy.copy(cfg)
+    sized.model = role_models(cfg)[0]
     try:
-        return _forecast(cfg, rows, part_rows, rates, lengths)
+        return _forecast(sized, rows, part_rows, rates, lengths)
     finally:
         _READ.clear()  # the data is read once per forecast, and not held through the run
 

@@ -23,7 +23,7 @@ layer as in training, or gathered into tensor-parallel slices over a node's rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlhf.config import STEPS, Config, ModelConfig, load_model_file, step_roles
 from rlhf.errors import ConfigError
@@ -131,12 +131,23 @@ def generating_role(cfg: Config) -> str | None:
     return spec.policy.name
 
 
-def _critic(cfg: Config, critic_model: ModelConfig | None) -> ModelConfig:
-    if critic_model is not None:
-        return critic_model
-    if cfg.critic.model:
-        return load_model_file(cfg.critic.model)
-    return cfg.model
+def _at(base: ModelConfig, path: str) -> ModelConfig:
+    """``base`` (a role's architecture numbers: the offline fallback) at the checkpoint ``path``: sized
+    from that checkpoint's own config.json (or GGUF metadata), as the role loads it."""
+    return replace(base, path=path, gguf_file=None, random_init=False)
+
+
+def role_models(cfg: Config, critic_model: ModelConfig | None = None) -> tuple[ModelConfig, ModelConfig]:
+    """The models the step really loads, as the pre-flight and the forecast size them: (the policy
+    and its reference, the critic and reward model). The policy is actor.path's checkpoint where the
+    step starts from one (PPO, the preference methods), else the model group; the critic and reward
+    model are critic.path's / reward.path's checkpoints in PPO, else ``critic_model``, critic.model's
+    conf/model file, or the model group."""
+    spec = STEPS[cfg.step.name]
+    actor = _at(cfg.model, cfg.actor.path) if cfg.actor.path and spec.policy.name == "actor" else cfg.model
+    base = critic_model or (load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model)
+    path = (cfg.critic.path or cfg.reward.path) if spec.generates else ""
+    return actor, _at(base, path) if path else base
 
 
 def table_bytes(m: ModelConfig, precision: str) -> float:
@@ -173,7 +184,7 @@ def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -
     if cfg.zero.stage != 3 or generating_role(cfg) is None:
         return 0
     mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
-    t, m = generation_tp_size(cfg), cfg.model
+    t, m = generation_tp_size(cfg), role_models(cfg, critic_model)[0]
     if mode == "tp" and (why := tp_unsupported(m, t) or (
             f"{t} ranks per group do not divide the {cfg.world_size} ranks" if cfg.world_size % t else None)):
         raise ConfigError(f"step.zero3_generation=tp with step.generation_tp_size={t}: {why}")
@@ -193,6 +204,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
     offload_par = cfg.zero.offload_param.device != "none"
     step = cfg.step
     micro = step.micro_batch_size_per_device
+    actor, critic = role_models(cfg, critic_model)
 
     def trainable_role(name: str, m: ModelConfig, lora: int, batch: int, seq: int, lm_head: bool) -> RoleMemory:
         total, largest, lora_params = param_counts(m, lora, cfg.lora.target_modules)
@@ -234,22 +246,22 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
     if not STEPS[step.name].generates:  # a micro batch of pairs holds both answers of each pair
         batch = STEPS[step.name].seqs_per_row * micro
         # DPO's reference is counted even when its log-probs are precomputed: it is loaded for that pass.
-        return [trainable_role(role.name, cfg.model, cfg.lora.rank, batch, step.max_seq_len, role.lm_head)
-                if role.trainable else frozen_role(role.name, cfg.model, getattr(step, f"offload_{role.name}"))
+        return [trainable_role(role.name, actor if role.lm_head else cfg.model, cfg.lora.rank, batch,
+                               step.max_seq_len, role.lm_head)
+                if role.trainable else frozen_role(role.name, actor, getattr(step, f"offload_{role.name}"))
                 for role in step_roles(cfg)]
-    critic = _critic(cfg, critic_model)
     seq = step.max_prompt_len + step.max_new_tokens
     out = []
     for role in step_roles(cfg):
-        # The actor and its reference are the model group; the critic and reward model the critic's.
-        m = cfg.model if role.lm_head else critic
+        # The actor and its reference are the policy's model; the critic and reward model the critic's.
+        m = actor if role.lm_head else critic
         if not role.trainable:
             out.append(frozen_role(role.name, m, getattr(step, f"offload_{role.name}")))
             continue
         r = trainable_role(role.name, m, cfg.lora.rank if role.lm_head else 0, micro, seq, role.lm_head)
         if role.name == generating_role(cfg):
             generating = step.generation_batch_size_per_device or step.rollout_batch_size_per_device
-            r.kv_cache = kv_cache_bytes(cfg.model, generating, seq, precision)
+            r.kv_cache = kv_cache_bytes(actor, generating, seq, precision)
         out.append(r)
     return out
 

@@ -42,7 +42,6 @@ from rlhf.config import (
     ConfigError,
     LoraConfig,
     ModelConfig,
-    load_model_file,
 )
 
 # Special tokens of the tokenizers we train: pad is distinct from eos so that a mask built from
@@ -821,14 +820,18 @@ def ppo_role_problems(cfg: Config) -> list[str]:
     if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
         problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
                         "output), or use step.reward_fn=rule step.reward_model_weight=0")
-    actor = model_sizes(cfg.model)
-    for role in ("critic", "reward"):
-        name = getattr(cfg, role).model
-        if not name or (role == "reward" and cfg.step.reward_model_weight == 0):
-            continue
-        other = model_sizes(load_model_file(name))
+    from rlhf.memory import role_models
+
+    actor_model, judge_model = role_models(cfg)
+    actor = model_sizes(actor_model)
+    uses_judge = cfg.step.reward_model_weight > 0 or cfg.step.builds("critic")
+    if uses_judge and judge_model is not cfg.model and judge_model is not actor_model:
+        # The architecture the user named (critic.model) is the clearer name; else the checkpoint's path.
+        key = next((f"{k}={v}" for k, v in (("critic.model", cfg.critic.model), ("critic.path", cfg.critic.path),
+                                             ("reward.path", cfg.reward.path)) if v), "critic")
+        other = model_sizes(judge_model)
         if (other.family, other.vocab_size) != (actor.family, actor.vocab_size):
-            problems.append(f"{role}.model={name} ({other.family}, vocabulary {other.vocab_size}) does not share the "
-                            f"actor's tokenizer (model={cfg.model.name}: {actor.family}, vocabulary "
+            problems.append(f"{key} ({other.family}, vocabulary {other.vocab_size}) does not share the actor's "
+                            f"tokenizer ({actor_model.path or 'model=' + cfg.model.name}: {actor.family}, vocabulary "
                             f"{actor.vocab_size}); PPO feeds the actor's token ids to the critic and reward model")
     return problems

@@ -88,18 +88,26 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) 
     from rlhf.models import ppo_role_problems  # torch and transformers: loaded where a model is sized
 
     critic = load_model_file(schema.critic.model) if schema.critic.model else None
-    # Where the sizes come from: the model's config.json, or its conf/model numbers offline.
-    sized = [schema.model] + ([critic] if critic and any(not r.lm_head for r in step_roles(schema)) else [])
+    # What the step loads, each sized from its own config.json (or conf/model numbers offline): the
+    # policy from actor.path where the step starts from one, the critic and reward model from theirs.
+    actor, judge = memory.role_models(schema, critic)
+    sized = [("model.path" if actor is schema.model else "actor.path", actor)]
+    if any(not r.lm_head for r in step_roles(schema)) and judge is not schema.model:
+        key = next((k for k, v in (("critic.path", schema.critic.path), ("reward.path", schema.reward.path))
+                    if v and v == judge.path), "critic.model")
+        sized.append((key, judge))
     problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
     if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
-        problems += [f"model.path={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
-                     for m in sized if memory.sizes(m).fallback and looks_local(m.path) and m.path not in will_exist]
+        problems += [f"{key}={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
+                     for key, m in sized if memory.sizes(m).fallback and looks_local(m.path)
+                     and m.path not in will_exist and not any(repr(m.path) in p for p in problems)]
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
     forecast, no_forecast = _forecast(schema)
     return Plan(schema=schema, run_dir=run_dir, arithmetic=_arithmetic(schema), ds_configs=_ds_configs(schema),
                 command=launch_command(schema, [run_dir]) if schema.world_size > 1 else None,
-                nodes=_nodes(schema), sizes=[f"sizes [{m.name}]: {memory.sizes(m).describe()}" for m in sized],
+                nodes=_nodes(schema), sizes=[f"sizes [{m.name if key.startswith('model') else key}]: "
+                                                    f"{memory.sizes(m).describe()}" for key, m in sized],
                 problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=no_forecast)
 
 

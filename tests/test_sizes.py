@@ -18,7 +18,7 @@ from rlhf import memory
 from rlhf.config import ConfigError, LoraConfig, ModelConfig, to_schema
 from rlhf.launch import run
 from rlhf.models import apply_lora, model_sizes
-from tests.conftest import compose
+from tests.conftest import compose, run_cli
 
 # Tiny random configs of several families, each with what sets it apart: grouped-query attention
 # (fewer key/value heads than query heads), a head size not hidden / heads (gemma2), fused
@@ -194,3 +194,25 @@ def test_the_presets_offline_numbers_size_the_published_checkpoints(name, params
     sizes = model_sizes(load_model_file(name))
     assert sizes.params == params and "no config.json readable" in sizes.source
     assert sizes.tied_embeddings == (name == "qwen2.5-0.5b")
+
+
+def test_the_preflight_sizes_each_role_from_the_checkpoint_it_will_load(tmp_path):
+    """A PPO step whose actor.path and critic.path hold an 8B Llama's config.json is sized as 8B (it
+    does not fit one A6000: the dry-run's exit code is 2), not as the model group's tiny default."""
+    from transformers import LlamaConfig
+
+    big = tmp_path / "llama-8b"
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8).save_pretrained(big)
+    proc = run_cli("step=ppo", f"actor.path={big}", f"critic.path={big}", "hardware=a6000", "launch.dry_run=true",
+                   f"run_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(x.startswith("sizes [actor.path]: 8.030B parameters (LlamaForCausalLM)") for x in lines)
+    assert any(x.startswith("sizes [critic.path]: 8.030B parameters") for x in lines)
+    assert any(x.startswith("memory: ") and "does not fit" in x for x in lines)
+    # The same step on the model group alone fits: the sizes above came from the paths.
+    small = run_cli("step=ppo", "step.reward_fn=rule", "step.reward_model_weight=0", "step.advantage_estimator=grpo",
+                    "step.samples_per_prompt=4", "hardware=a6000", "launch.dry_run=true",
+                    f"run_dir={tmp_path / 'small'}", timeout=300)
+    assert small.returncode == 0 and "sizes [tiny-llama]" in small.stdout, small.stdout[-2000:]
