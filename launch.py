@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from rlhf.config import ConfigError, check_override_keys, quote_numeric_groups
+from rlhf.config import ConfigError, check_command_line, quote_numeric_groups
 
 # The command as the user typed it, for the run directory, before numeric group names are quoted.
 COMMAND = [sys.executable, *sys.argv]
@@ -47,6 +47,7 @@ def main(cfg: DictConfig) -> float | None:
         if not multirun:
             sys.exit(2)
         sweep.write_result(run_dir, "failed", step, overrides, None, time.perf_counter() - start, f"{err.kind} error: {err}")
+        FAILED_JOBS.append((" ".join(overrides), 2))
         return math.nan
     except Exception as err:  # noqa: BLE001 - a sweep records any failure and goes on to the next job
         if not multirun:
@@ -54,6 +55,7 @@ def main(cfg: DictConfig) -> float | None:
         traceback.print_exc()
         sweep.write_result(run_dir, "failed", step, overrides, None, time.perf_counter() - start,
                            f"{type(err).__name__}: {err}")
+        FAILED_JOBS.append((" ".join(overrides), 1))
         return math.nan
     if cfg.launch.dry_run:
         return dry_run_verdict(final, run_dir, step, overrides, multirun, time.perf_counter() - start)
@@ -62,6 +64,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 REFUSED_JOBS: list[str] = []  # dry-run jobs of this multirun whose real run would not start
+# Jobs of this multirun that failed, with the exit code each would have had alone (2: a user error).
+FAILED_JOBS: list[tuple[str, int]] = []
 
 
 def dry_run_verdict(final: dict, run_dir: Path, step: str, overrides: list[str], multirun: bool, wall_s: float) -> float:
@@ -114,15 +118,18 @@ if __name__ == "__main__":
     # Hydra reads `zero=3` as the integer 3 and refuses it as a group choice; quote it as the
     # compose path (rlhf.config.compose_config) does.
     sys.argv[1:] = quote_numeric_groups(sys.argv[1:])
-    if not any(arg.startswith("-") for arg in sys.argv[1:]):  # one run, not a sweep or a Hydra flag
-        try:
-            check_override_keys(sys.argv[1:])
-        except ConfigError as err:
-            print(f"{err.kind} error: {err}", file=sys.stderr)
-            sys.exit(2)
+    try:  # every job of a sweep, and --cfg job, too: one line and exit 2 before Hydra starts
+        check_command_line(sys.argv[1:])
+    except ConfigError as err:
+        print(f"{err.kind} error: {err}", file=sys.stderr)
+        sys.exit(2)
     if {"-m", "--multirun"} & set(sys.argv[1:]) and any(a.lower() == "launch.dry_run=true" for a in sys.argv[1:]):
         sys.argv[1:] = optuna_dry_run(sys.argv[1:])
     main()
+    if FAILED_JOBS:  # the results table has each job's error; the sweep's exit code says it failed
+        print(f"sweep: {len(FAILED_JOBS)} job(s) failed (the results table has each one's error): "
+              + " | ".join(job for job, _ in FAILED_JOBS), file=sys.stderr)
+        sys.exit(2 if all(code == 2 for _, code in FAILED_JOBS) else 1)
     if REFUSED_JOBS:
         print(f"dry-run: {len(REFUSED_JOBS)} job(s) of the sweep would be refused: " + " | ".join(REFUSED_JOBS),
               file=sys.stderr)

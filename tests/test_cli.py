@@ -54,6 +54,18 @@ def test_a_wrong_value_type_or_group_option_is_one_line_and_exit_2(override, lin
     assert proc.stderr.startswith(line) and "schema" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["-m", "optim.lrr=1e-3,3e-3"], "config error: optim.lrr is not a key of the config; did you mean optim.lr?"),
+    (["-m", "zero=0,5"], "config error: zero=5: no such option; zero is one of 0, 1, 2, 2-offload, 3, 3-offload"),
+    (["-m", "optim.lr=1e-3,abc"], "config error: optim.lr='abc': expected a number"),
+    (["--cfg", "job", "optim.lrr=1e-3"], "config error: optim.lrr is not a key of the config; did you mean optim.lr?"),
+])
+def test_a_mistake_in_a_sweep_or_with_cfg_job_is_one_line_and_exit_2_before_any_job(args, line, tmp_path):
+    proc = run_cli(*args, f"hydra.sweep.dir={tmp_path}", timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert not any(tmp_path.iterdir()), "no job ran"
+
+
 def test_a_dry_run_sweep_records_each_job_s_verdict_and_draws_nothing(tmp_path):
     # sft_lr_zero: 3 learning rates x zero 0 and 3, here for SFT and for PPO.
     proc = run_cli("-m", "sweep=sft_lr_zero", "step=sft,ppo", "launch.dry_run=true", f"hydra.sweep.dir={tmp_path}",

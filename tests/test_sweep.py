@@ -22,7 +22,9 @@ def test_grid_records_a_failed_job_writes_tables_and_a_rerun_skips_finished_jobs
             "logging.progress_bar=false", "step.save_model=false", f"hydra.sweep.dir={tmp_path}",
             "hydra.sweep.subdir=${hydra:job.override_dirname}"]
     proc = _multirun(*args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The sweep runs every job and records the failed one; its exit code says one failed (a user error: 2).
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "sweep: 1 job(s) failed (the results table has each one's error): optim.scheduler=cosin" in proc.stderr
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed"]
     assert "optim.scheduler='cosin' is not allowed" in rows[-1]["error"]
@@ -30,7 +32,7 @@ def test_grid_records_a_failed_job_writes_tables_and_a_rerun_skips_finished_jobs
     assert (tmp_path / "results.md").exists() and (tmp_path / "results.png").stat().st_size > 1000
 
     again = _multirun(*args)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 2, again.stderr[-3000:]
     assert again.stdout.count("finished before; skipping") == 3
     assert "optim.scheduler='cosin' is not allowed" in again.stderr  # the failed job is tried again
 

@@ -15,6 +15,7 @@ and the typed conversion). Import from ``rlhf.config``.
 from rlhf.config.checks import PROJECT_ROOT, _choice, _positive  # noqa: F401
 from rlhf.config.compose import (  # noqa: F401
     NUMERIC_GROUPS,
+    check_command_line,
     check_override_keys,
     compose_config,
     load_run_config,

@@ -174,6 +174,43 @@ def check_override_keys(overrides: list[str]) -> None:
         raise composition_error(err) from None
 
 
+# Hydra's command-line flags that take a value (--cfg job), and those that stand alone.
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                     "--config-dir", "-cd", "--info", "--experimental-rerun"}
+
+
+def check_command_line(args: list[str]) -> None:
+    """Refuse a command line whose overrides name a key the config lacks or a value it cannot take
+    (ConfigError, one line), before Hydra starts: for a multirun each swept value is composed with
+    the others' first values (a wrong value fails its own jobs alike), and Hydra's flags (-m,
+    --cfg job) are set aside. Hydra's own message is many lines with an exit code of 1, and in a
+    multirun each job's, while the sweep exits 0."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain, skip = [], False
+    for a in args:
+        if skip or a.startswith("-"):
+            skip = not skip and a in _FLAGS_WITH_VALUE
+            continue
+        plain.append(a)
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in plain if not a.startswith("hydra")])
+    except Exception as err:  # noqa: BLE001 - Hydra's parse error, as one line
+        raise composition_error(err) from None
+    firsts, sweeps = [], []
+    for o in parsed:
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            firsts.append(f"{o.get_key_element()}={values[0]}")
+            sweeps.append((len(firsts) - 1, o.get_key_element(), values[1:]))
+        else:
+            firsts.append(o.input_line)
+    check_override_keys(firsts)
+    for i, key, values in sweeps:
+        for value in values:
+            check_override_keys([*firsts[:i], f"{key}={value}", *firsts[i + 1:]])
+
+
 def composition_error(err: Exception) -> ConfigError:
     """Hydra's multi-line composition error as one line naming the key, the value and what it takes.
 
