@@ -175,7 +175,8 @@ def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: li
         if reuse and (why := _train_again(chain_dir / name, step_cfg, delta, again)):
             again[name] = why
         if not schema.launch.dry_run and (name in again or not (reuse and finished(chain_dir / name))):
-            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()))
+            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()),
+                                     keys=f"pipeline.{name}.")
             plans[name].refuse()
         planned[name] = (step_cfg, step_schema, args, delta)
     for name, why in again.items():  # only once every step is planned: a refusal leaves the folder as it was
@@ -203,7 +204,7 @@ def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dic
     """Each step's plan printed, and the chain's verdict: it starts only if every step would."""
     verdicts = {}
     for name, (_, step_schema, _, _) in planned.items():
-        plan = build_plan(step_schema, chain_dir / name, will_exist=will_exist)
+        plan = build_plan(step_schema, chain_dir / name, will_exist=will_exist, keys=f"pipeline.{name}.")
         print(plan.text(), flush=True)
         verdicts[name] = plan.dry_run_result()
     return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),

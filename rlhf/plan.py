@@ -82,9 +82,10 @@ class Plan:
         return {"dry_run": True, "fits": self.fits and not self.problems, "refused": why}
 
 
-def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) -> Plan:
+def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = (), keys: str = "") -> Plan:
     """The plan of one step. ``will_exist``: model folders an earlier step of the same launch writes
-    (not refused as missing; sized by their conf/model numbers until they exist)."""
+    (not refused as missing; sized by their conf/model numbers until they exist); ``keys``: what a
+    fix's key starts with (pipeline.<step>. in a chain)."""
     from rlhf.models import ppo_role_problems  # torch and transformers: loaded where a model is sized
 
     critic = load_model_file(schema.critic.model) if schema.critic.model else None
@@ -96,7 +97,7 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) 
         key = next((k for k, v in (("critic.path", schema.critic.path), ("reward.path", schema.reward.path))
                     if v and v == judge.path), "critic.model")
         sized.append((key, judge))
-    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema)
+    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema) + budget_problems(schema, keys)
     if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
         problems += [f"{key}={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
                      for key, m in sized if memory.sizes(m).fallback and looks_local(m.path)
@@ -109,6 +110,43 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = ()) 
                 nodes=_nodes(schema), sizes=[f"sizes [{m.name if key.startswith('model') else key}]: "
                                                     f"{memory.sizes(m).describe()}" for key, m in sized],
                 problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=no_forecast)
+
+
+# The share of the data's reference answers a generation budget must hold whole.
+BUDGET_COVERS = 0.9
+
+
+def budget_problems(schema: Config, keys: str = "") -> list[str]:
+    """A generation budget too short for the data's answers: where the step generates answers a rule
+    judges (PPO's rollouts and evaluations, SFT's and the preference steps' held-out accuracy), the
+    reference answers of local data, tokenized as the run tokenizes them (content and end of turn),
+    must fit step.max_new_tokens for BUDGET_COVERS of them; else every answer would be cut before its
+    end and judged wrong, and the accuracy would read 0 whatever the model learned."""
+    step = schema.step
+    budget = getattr(step, "max_new_tokens", None)
+    if budget is None or not (STEPS[step.name].generates or getattr(step, "eval_accuracy_prompts", 0)):
+        return []
+    from rlhf.data.blend import references
+    from rlhf.forecast import data_tokenizer
+
+    try:
+        tokenizer = data_tokenizer(schema)
+        table = references(schema.data, tokenizer) if tokenizer is not None else {}
+    except (ValueError, OSError):  # the data's own refusal comes from its reader, in the data's words
+        return []
+    answers = [a for a in list(table.values())[:2000] if a.strip()]
+    if len(answers) < 8:
+        return []
+    lengths = sorted(len(tokenizer(a, add_special_tokens=False).input_ids) + 1 for a in answers)  # + end of turn
+    needed = lengths[min(len(lengths) - 1, int(BUDGET_COVERS * len(lengths)))]
+    if budget >= needed:
+        return []
+    fits = sum(n <= budget for n in lengths) / len(lengths)
+    suggest = -(-needed // 8) * 8
+    return [f"{keys}step.max_new_tokens={budget} holds only {fits:.0%} of the data's {len(lengths)} reference answers "
+            f"whole ({needed} tokens hold {BUDGET_COVERS:.0%} of them, the longest is {lengths[-1]}, counted with the "
+            f"run's tokenizer and the end of the answer): every answer longer than the budget is cut before its final "
+            f"answer and judged wrong. Set {keys}step.max_new_tokens={suggest}"]
 
 
 def _arithmetic(schema: Config) -> list[str]:

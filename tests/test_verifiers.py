@@ -8,10 +8,11 @@ receives the reference answer, the pairwise steps' refusal of such a source, and
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 
 import pytest
-from conftest import compose
+from conftest import compose, run_cli
 
 from rlhf import rewards
 from rlhf.config import DataError, to_schema
@@ -103,6 +104,28 @@ def test_left_truncated_prompts_are_scored_against_their_rows_references(tmp_pat
                          f"run_dir={tmp_path / 'run'}"]))
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["truncated"]["train"] > 0 and "eval/accuracy" in final
+
+
+def test_a_budget_too_short_for_the_data_s_answers_is_refused_in_the_dry_run_naming_the_key(tmp_path):
+    """Worked answers of 20-30 tokens ('... #### n') under the rlvr chain's 8-token budgets: every
+    generated answer would be cut before its final number and judged wrong. The dry-run refuses each
+    step that generates, naming its chain key and a budget that holds them; with that budget it starts."""
+    def row(i):
+        return {"prompt": f" Human: What is {i} + {i}? Assistant:",
+                "answer": f" We add {i} and {i} one step at a time: {i} plus {i} makes {2 * i}. #### {2 * i}"}
+    data = _folder(tmp_path, [row(i) for i in range(60)], [row(i) for i in range(100, 120)])
+    base = ["pipeline=rlvr", f"data.sources=[{{path: {data}}}]", "data.rule=math", "launch.dry_run=true",
+            f"run_dir={tmp_path / 'chain'}"]
+    proc = run_cli(*base, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdict = proc.stdout.strip().splitlines()[-1]
+    for step in ("sft", "ppo"):
+        found = re.search(rf"pipeline\.{step}\.step\.max_new_tokens=8 holds only 0% of the data's 80 reference answers "
+                          rf"whole \((\d+) tokens hold 90% .* Set pipeline\.{step}\.step\.max_new_tokens=(\d+)", verdict)
+        assert found and 20 <= int(found.group(1)) <= int(found.group(2)) < int(found.group(1)) + 8, verdict
+    fixes = re.findall(r"Set (pipeline\.\w+\.step\.max_new_tokens=\d+)", verdict)
+    again = run_cli(*base, *fixes, timeout=600)
+    assert len(fixes) == 2 and again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
 
 
 def test_a_users_rule_with_a_reference_parameter_receives_it_and_a_two_argument_rule_still_works(tmp_path, monkeypatch):
