@@ -43,6 +43,7 @@ METHODS = {
     # GRPO's advantages with the field's later additions, one at a time: DAPO's clip-higher and dynamic
     # sampling, the GSPO and CISPO objectives, and TIS (a no-op where sampler and trainer agree, as in fp32).
     "grpo_clip_higher": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.clip_eps_high=0.28"],
+    "ppo_clip_higher": ["step.advantage_estimator=gae", "step.clip_eps_high=0.28"],
     "grpo_dynamic": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.dynamic_sampling=true"],
     "gspo": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.policy_loss=gspo"],
     "cispo": ["step.advantage_estimator=grpo", "step.samples_per_prompt=4", "step.policy_loss=cispo"],

@@ -48,6 +48,12 @@ def is_chain(cfg: DictConfig) -> bool:
     return bool(cfg.get("pipeline") and cfg.pipeline.steps)
 
 
+def title(name: str, chain) -> str:
+    """A step's title in its chain: its place there and what it trains (Step 2 (PPO) in SFT -> PPO)."""
+    chain = list(chain)
+    return f"Step {chain.index(name) + 1} ({STEPS[name].label})" if name in chain else STEPS[name].title
+
+
 def finished(step_dir: Path) -> bool:
     """A step is finished when its final metrics were written after its model was saved."""
     return (step_dir / "final_metrics.json").exists() and (step_dir / "model" / "config.json").exists()
@@ -92,7 +98,7 @@ def step_config(cfg: DictConfig, name: str, overrides: list[str], outputs: dict[
 
 def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: list[str]) -> dict:
     chain_dir = Path(schema.run_dir)
-    steps = list(schema.pipeline.steps)
+    steps = chain = list(schema.pipeline.steps)
     # `step=ppo` on the command line of a chain (an experiment file) runs that one step of it.
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("step=")]
     if chosen:
@@ -106,7 +112,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
     steps, skipped = skip_unused(cfg, steps, overrides, outputs, chain_dir)
     planned, plans = _plan_steps(cfg, schema, steps, overrides, outputs, chain_dir)
     if schema.launch.dry_run:
-        return _dry_run(planned, chain_dir, tuple(outputs.values()))
+        return _dry_run(planned, chain_dir, tuple(outputs.values()), chain)
 
     chain_dir.mkdir(parents=True, exist_ok=True)
     write_run_dir(cfg, chain_dir, overrides, command)
@@ -119,14 +125,14 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         # Several ranks: every step's run directory first, then one launch whose ranks run the steps in
         # turn -- one rendezvous and one library import for the chain instead of one per step.
         for name, (step_cfg, _, args, delta) in todo.items():
-            print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
+            print(f"[e2e] {title(name, chain)}: python launch.py {_shown(args, name, delta)}", flush=True)
             launch_step.prepare_plan(step_cfg, plans[name], args, command)
         first = next(iter(todo.values()))[1]
         launch_ranks(first, [chain_dir / name for name in todo])
     for name, (step_cfg, step_schema, args, delta) in planned.items():
         step_dir = chain_dir / name
         if name not in todo:
-            print(f"[e2e] {STEPS[name].title}: finished output at {step_dir / 'model'}; skipping", flush=True)
+            print(f"[e2e] {title(name, chain)}: finished output at {step_dir / 'model'}; skipping", flush=True)
             entry = manifest["steps"].get(name, {})
             entry["skipped_on_rerun"] = True
         elif _one_launch(todo):
@@ -137,10 +143,10 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
             why = weak_step(schema.pipeline, name, step_schema, chain_dir, list(planned))
             if why and schema.pipeline.on_weak_step == "stop":
                 write_whole(manifest_path, json.dumps(manifest, indent=2))
-                raise ConfigError(f"{STEPS[name].title} not started: {why}; {RUN_ANYWAY}")
+                raise ConfigError(f"{title(name, chain)} not started: {why}; {RUN_ANYWAY}")
             if why:
-                print(f"[e2e] WARNING {STEPS[name].title} may not work: {why}", flush=True)
-            print(f"[e2e] {STEPS[name].title}: python launch.py {_shown(args, name, delta)}", flush=True)
+                print(f"[e2e] WARNING {title(name, chain)} may not work: {why}", flush=True)
+            print(f"[e2e] {title(name, chain)}: python launch.py {_shown(args, name, delta)}", flush=True)
             start = time.perf_counter()
             # Planned again: the outputs of the steps before it exist now, so its models are sized
             # from their config.json rather than their conf/model numbers.
@@ -149,7 +155,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
                      "finished_at": dt.datetime.now().isoformat(timespec="seconds")}
             gc.collect()  # drop the finished step's engines before the next step builds its own
         if not (step_dir / "final_metrics.json").exists():
-            raise RuntimeError(f"{STEPS[name].title} ended without final_metrics.json in {step_dir}")
+            raise RuntimeError(f"{title(name, chain)} ended without final_metrics.json in {step_dir}")
         results[name] = json.loads((step_dir / "final_metrics.json").read_text())
         if name in todo and (why := weak_step(schema.pipeline, name, step_schema, chain_dir, list(planned))):
             entry["warnings"] = [f"ran though it may not work (pipeline.on_weak_step=warn): {why}"]
@@ -157,7 +163,7 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
         manifest["steps"][name] = entry
         write_whole(manifest_path, json.dumps(manifest, indent=2))
 
-    print(summary(planned, manifest, results, outputs), flush=True)
+    print(summary(planned, manifest, results, outputs, chain), flush=True)
     return {"outputs": {k: outputs[k] for k in planned},
             **{f"{k}/{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, int | float)}}
 
@@ -172,7 +178,7 @@ def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: li
         step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
         step_schema = to_schema(step_cfg)
         step_schema.run_dir = str(chain_dir / name)
-        if reuse and (why := _train_again(chain_dir / name, step_cfg, delta, again)):
+        if reuse and (why := _train_again(chain_dir / name, step_cfg, delta, again, schema.pipeline.steps)):
             again[name] = why
         if not schema.launch.dry_run and (name in again or not (reuse and finished(chain_dir / name))):
             plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()),
@@ -180,27 +186,27 @@ def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: li
             plans[name].refuse()
         planned[name] = (step_cfg, step_schema, args, delta)
     for name, why in again.items():  # only once every step is planned: a refusal leaves the folder as it was
-        print(f"[e2e] {STEPS[name].title}: trained again from the start: {why}", flush=True)
+        print(f"[e2e] {title(name, schema.pipeline.steps)}: trained again from the start: {why}", flush=True)
         start_over(chain_dir / name)
     return planned, plans
 
 
-def _train_again(step_dir: Path, step_cfg: DictConfig, delta: dict, again: dict[str, str]) -> str | None:
+def _train_again(step_dir: Path, step_cfg: DictConfig, delta: dict, again: dict[str, str], chain) -> str | None:
     """Why a step that already ran in ``step_dir`` must train again, if it must: the chain's per-step
     settings for it changed (``pipeline.<step>.*``, what every printed fix sets), or a step before it
     trains again (its input changes). Any other difference (seed, data, model, ...) makes it another
     experiment, refused, so that a finished chain is never overwritten by mistake."""
     changes = changed_settings(step_dir, step_cfg)
     if changes and not set(changes) <= set(flat_keys(delta)):
-        refuse_changed_settings(step_dir, step_cfg, f"the chain's {STEPS[step_dir.name].title}", changes)
+        refuse_changed_settings(step_dir, step_cfg, f"the chain's {title(step_dir.name, chain)}", changes)
     if changes:
         return f"its settings changed ({shown_changes(changes)})"
     if again and (finished(step_dir) or (step_dir / "checkpoints").exists()):
-        return f"it reads {STEPS[next(iter(again))].title}'s output, which is trained again"
+        return f"it reads {title(next(iter(again)), chain)}'s output, which is trained again"
     return None
 
 
-def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dict:
+def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...], chain: list[str]) -> dict:
     """Each step's plan printed, and the chain's verdict: it starts only if every step would."""
     verdicts = {}
     for name, (_, step_schema, _, _) in planned.items():
@@ -208,7 +214,7 @@ def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...]) -> dic
         print(plan.text(), flush=True)
         verdicts[name] = plan.dry_run_result()
     return {"dry_run": True, "fits": all(v["fits"] for v in verdicts.values()),
-            "refused": [f"{STEPS[n].title}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
+            "refused": [f"{title(n, chain)}: {why}" for n, v in verdicts.items() for why in v["refused"]]}
 
 
 def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs: dict[str, str],
@@ -227,7 +233,7 @@ def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs
     ppo = next(iter(built.values())).step
     why = (f"PPO's reward is the rule alone (step.reward_model_weight=0) and {ppo.advantage_estimator} builds no "
            "critic, so nothing would use a reward model")
-    print(f"[e2e] {STEPS['reward'].title}: skipped: {why}", flush=True)
+    print(f"[e2e] {title('reward', cfg.pipeline.steps)}: skipped: {why}", flush=True)
     outputs.pop("reward", None)
     return [s for s in steps if s != "reward"], {"reward": why}
 
@@ -241,7 +247,7 @@ def _figure(metrics: dict, key: str, label: str, percent: bool = True) -> str | 
     return f"{label} {show(before)} -> {show(metrics[key])}" if before is not None else f"{label} {show(metrics[key])}"
 
 
-def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
+def summary(planned, manifest: dict, results: dict, outputs: dict, chain: list[str]) -> str:
     """The chain's closing block: each step's time and figures, every warning, where the outputs
     are, and what to try next."""
     lines = ["[e2e] " + "-" * 60]
@@ -256,9 +262,9 @@ def summary(planned, manifest: dict, results: dict, outputs: dict) -> str:
         rerun = " (earlier run)" if entry.get("skipped_on_rerun") else ""
         guess = (f" (forecast {dt.timedelta(seconds=round(metrics['forecast_s']))})"
                  if "forecast_s" in metrics and not rerun else "")
-        lines.append(f"[e2e] {STEPS[name].title}, {took}{guess}{rerun}: " + ("; ".join(figures) or "done"))
+        lines.append(f"[e2e] {title(name, chain)}, {took}{guess}{rerun}: " + ("; ".join(figures) or "done"))
         warnings += [f"{name}: {w}" for w in [*entry.get("warnings", []), *metrics.get("warnings", [])]]
-    lines += [f"[e2e] {STEPS[name].title}: skipped: {why}" for name, why in manifest.get("skipped", {}).items()]
+    lines += [f"[e2e] {title(name, chain)}: skipped: {why}" for name, why in manifest.get("skipped", {}).items()]
     lines += [f"[e2e] WARNING {w}" for w in warnings] or ["[e2e] no warnings"]
     last = outputs[list(planned)[-1]]
     chain_dir = Path(last).parent.parent

@@ -664,6 +664,11 @@ class StepSpec:
         return any(role.name == name for role in self.roles)
 
     @property
+    def label(self) -> str:
+        """What the step trains, as its title says it ("PPO" of "Step 3 (PPO)")."""
+        return self.title.split("(", 1)[1].rstrip(")")
+
+    @property
     def policy(self) -> Role:
         """The trainable model it outputs: the one with a language-model head, else the first trainable."""
         trainable = [r for r in self.roles if r.trainable]
