@@ -355,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[-1].strip())
         return 0 if args else 2
+    missing = [a for a in args if not (Path(a) / "metrics.jsonl").exists() and not Path(a).is_dir()]
+    if missing:  # a typo in a folder name is the user's error: one line, exit 2, nothing drawn
+        print(f"[curves] no such run folder: {', '.join(missing)}", file=sys.stderr)
+        return 2
     for run_dir in args:
         if draw(run_dir) is None:
             print(f"[curves] {run_dir}: no metrics logged yet")

@@ -3,7 +3,7 @@ over each other on the panels of curves.png, one block per step, with each chain
 against its actual time; report.png, and report.html (the figure embedded, the final figures table
 and the config keys that differ between the runs) in --out.
 
-    python -m rlhf.report RUN [RUN ...] [--out DIR]     # default DIR: RUN/report for one run, else ./report
+    python -m rlhf.report RUN [RUN ...] [--out DIR]     # default DIR: RUN/report for one run, else beside the runs
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import html
 import io
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 from rlhf.curves import Run, draw_panels, load_run, panels_for
@@ -46,9 +48,16 @@ def flat_config(run_dir: Path) -> dict[str, object]:
 
 
 def config_differences(runs: list[Run]) -> dict[str, list[object]]:
-    """key -> each run's value, for the keys whose values differ between runs of the same step."""
+    """key -> each run's value, for the keys whose values differ between runs of the same step, and
+    for the keys every run has (the step's name, the model, the learning rate) that differ between any."""
     diffs: dict[str, list[object]] = {}
     configs = [flat_config(r.path) for r in runs]
+    shared = set.intersection(*(set(c) for c in configs)) if configs else set()
+    for k in sorted(shared):
+        if k in _SAME_IN_SPIRIT or k.startswith("hydra."):
+            continue
+        if len({json.dumps(c[k], default=str) for c in configs}) > 1:
+            diffs[k] = [c[k] for c in configs]
     for step in dict.fromkeys(r.step for r in runs):
         same = [i for i, r in enumerate(runs) if r.step == step]
         if len(same) < 2:
@@ -58,7 +67,7 @@ def config_differences(runs: list[Run]) -> dict[str, list[object]]:
             if k in _SAME_IN_SPIRIT or k.startswith("hydra."):
                 continue
             values = [configs[i].get(k, "(absent)") for i in same]
-            if len({json.dumps(v, default=str) for v in values}) > 1:
+            if k not in diffs and len({json.dumps(v, default=str) for v in values}) > 1:
                 diffs[k] = [configs[i].get(k, "(absent)") if r.step == step else ""
                             for i, r in enumerate(runs)]
     return diffs
@@ -166,13 +175,23 @@ def write(paths: list[Path], out: Path) -> dict[str, Path]:
     return written
 
 
+def _beside(runs: list[Path]) -> Path:
+    """report/ in the folder that holds every run (never the working directory, which may be a checkout)."""
+    common = Path(os.path.commonpath([p.resolve() for p in runs]))
+    return (common if common != Path(common.anchor) else runs[0].resolve().parent) / "report"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlhf.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders, chain folders or sweep folders")
     parser.add_argument("--out", type=Path, default=None, help="where report.png and report.html go "
-                        "(default: RUN/report for one run, else ./report)")
+                        "(default: RUN/report for one run, else report/ in the folder that holds them all)")
     args = parser.parse_args(argv)
-    out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
+    missing = [str(p) for p in args.runs if not p.exists()]
+    if missing:
+        print(f"[report] no such run folder: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else _beside(args.runs))
     write(args.runs, out)
     return 0
 

@@ -81,6 +81,35 @@ def test_the_report_overlays_two_runs_and_names_the_keys_that_differ(two_sft_run
     assert "optim.lr" in capsys.readouterr().out
 
 
+def test_a_report_of_runs_of_different_steps_names_the_keys_they_differ_in_and_writes_beside_them(
+        two_sft_runs, tmp_path, capsys):
+    """Runs of different steps and models (here an SFT run's copy relabelled as a DPO run of another
+    model) differ in keys they all have: the report names them, and without --out it writes into the
+    folder that holds the runs, never the working directory."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from rlhf import report
+
+    a, _ = two_sft_runs
+    runs = tmp_path / "runs"
+    shutil.copytree(a, runs / "sft", ignore=shutil.ignore_patterns("model", "checkpoints", "report"))
+    shutil.copytree(a, runs / "dpo", ignore=shutil.ignore_patterns("model", "checkpoints", "report"))
+    cfg = OmegaConf.load(runs / "dpo" / "config.yaml")
+    cfg.step.name, cfg.model.name, cfg.optim.lr = "dpo", "tiny-qwen2", 1e-4
+    OmegaConf.save(cfg, runs / "dpo" / "config.yaml")
+    assert report.main([str(runs / "sft"), str(runs / "dpo")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[report] differing keys: "))
+    for key in ("step.name (sft / dpo)", "model.name (tiny-llama / tiny-qwen2)", "optim.lr (0.003 / 0.0001)"):
+        assert key in line, line
+    assert (runs / "report" / "report.html").exists()
+    # A folder that is not there is the user's mistake: one line, exit 2, for both tools.
+    assert report.main([str(runs / "sft"), str(tmp_path / "nope")]) == 2
+    assert curves.main([str(tmp_path / "nope")]) == 2
+    assert "no such run folder" in capsys.readouterr().err
+
+
 def test_a_sweep_over_log_spaced_learning_rates_gets_a_log_axis_and_colours_by_the_other_key(tmp_path):
     from rlhf import sweep
 

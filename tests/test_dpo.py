@@ -74,6 +74,7 @@ def test_ipo_and_robust_dpo_learn_under_zero3_with_the_reference_offloaded(tmp_p
                  strict=True)
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert ds["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert final["stopped_by"].startswith("the cap step."), "every step's final figures say what ended it"
 
 
 @pytest.mark.parametrize("disable_dropout", [True, False])

@@ -217,6 +217,7 @@ def test_rlvr_objectives_and_corrections_train_the_actor(tmp_path, sft_and_rewar
     final = run(compose([*PPO_FAST, *([] if "step.reward_fn=null" in extra else critic_free), *extra,
                          f"actor.path={sft}", f"critic.path={rm}", f"run_dir={tmp_path / 'run'}"]))
     assert final["actor_weight_change"] > 0 and final["reference_weight_change"] == 0.0
+    assert final["stopped_by"] == "the cap step.max_steps=3", "every step's final figures say what ended it"
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "policy_loss" in line]
     assert len(rows) == 3 and all(math.isfinite(r["policy_loss"]) and math.isfinite(r["loss"]) for r in rows)
     if any("rollout_correction" in x for x in extra):
@@ -705,7 +706,7 @@ def test_ppo_stops_on_its_plateau_with_the_last_actors_figures_and_says_why(tmp_
     final = run(compose([*PPO_FAST, "data.rule=never_rule:score", "step.max_steps=2", "step.eval_every_steps=1",
                          "step.early_stop_patience=2", f"actor.path={sft}", f"critic.path={rm}",
                          f"run_dir={tmp_path / 'capped'}"]))
-    assert final["step"] == 2 and "stopped_by" not in final, final.get("stopped_by")
+    assert final["step"] == 2 and final["stopped_by"] == "the cap step.max_steps=2", final.get("stopped_by")
 
 
 def test_ppo_patience_needs_evaluations():

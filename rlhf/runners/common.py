@@ -229,10 +229,10 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
         # may stop it before its cap), the actual since the launch that finished it.
         f = json.loads(planned.read_text())
         final.update(forecast_s=round(f["seconds_per_step"] * step, 1), actual_s=round(time.time() - f["started_at"], 1))
-    if stopped_by:
-        final["stopped_by"] = stopped_by
-        if rank == 0:
-            say(f"[{cfg.step.name}] stopped at step {step} by {stopped_by}")
+    # Every step's final figures say what ended it: a readiness rule's reason, else its cap.
+    final["stopped_by"] = stopped_by or cap_reason(cfg, step)
+    if stopped_by and not stopped_by.startswith("the cap ") and rank == 0:
+        say(f"[{cfg.step.name}] stopped at step {step} by {stopped_by}")
     if cfg.step.save_model:
         save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         final["model_dir"] = str(run_dir / "model")
@@ -249,6 +249,13 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
     logger.summarize(final, step)
     logger.close()
     return final
+
+
+def cap_reason(cfg: Config, step: int) -> str:
+    """The cap that ended a step at ``step``: step.max_steps where it was reached, else its epochs."""
+    if cfg.step.max_steps > 0 and step >= cfg.step.max_steps:
+        return f"the cap step.max_steps={cfg.step.max_steps}"
+    return f"the cap step.epochs={cfg.step.epochs}"
 
 
 @dataclass
@@ -296,11 +303,7 @@ class LoopState:
 
     def stop_reason(self, cfg: Config) -> str:
         """Why the loop ended: a readiness rule's reason, or the cap on its length."""
-        if self.stopped_by:
-            return self.stopped_by
-        if cfg.step.max_steps > 0 and self.step >= cfg.step.max_steps:
-            return f"the cap step.max_steps={cfg.step.max_steps}"
-        return f"the cap step.epochs={cfg.step.epochs}"
+        return self.stopped_by or cap_reason(cfg, self.step)
 
     def at(self, epoch: int, batch_index: int, window_micro: int) -> dict:
         """Client state for a checkpoint taken before micro batch ``batch_index`` of ``epoch``."""
