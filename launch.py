@@ -77,6 +77,8 @@ def dry_run_verdict(final: dict, run_dir: Path, step: str, overrides: list[str],
     refused = final.get("refused", [])
     line = ("dry-run: the real run would be refused: " + "; ".join(refused) if refused
             else "dry-run: the real run would start (it fits, nothing refused)")
+    if lacks := final.get("this_machine"):  # the plan is for the target machine; this one is said apart
+        line += f"; on this machine it would be refused ({len(lacks)} reason(s) above, 'on this machine:')"
     print(line, flush=True)
     if not multirun:
         if refused:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rlhf.config import Config
+from rlhf.config import Config, ConfigError
 from rlhf.forecast import duration
 from rlhf.launcher import launch_ranks, slurm_hostfile, slurm_node
 from rlhf.plan import Plan, build_plan
-from rlhf.probes import check_launchable
+from rlhf.probes import check_launchable, machine_problems
 from rlhf.provenance import refuse_changed_settings, start_over, write_run_dir
 
 
@@ -73,8 +73,17 @@ def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: lis
     ``cfg.run_dir`` is already resolved."""
     plan = build_plan(schema, Path(schema.run_dir))
     if schema.launch.dry_run:
+        if schema.resume != "never":  # a finished or started run of other settings is refused alike
+            try:
+                refuse_changed_settings(Path(schema.run_dir), cfg, "a run")
+            except ConfigError as err:
+                plan.problems.append(str(err))
         print(plan.text(), flush=True)
-        return plan.dry_run_result()
+        # It plans for the target machine; what this one lacks is said apart from the verdict.
+        lacks = machine_problems(schema)
+        for line in lacks:
+            print(f"on this machine: {line}", flush=True)
+        return {**plan.dry_run_result(), "this_machine": lacks}
     if (done := prepare_plan(cfg, plan, overrides, command)) is not None:
         return done
     if starts_ranks(schema):

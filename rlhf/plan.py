@@ -19,6 +19,7 @@ from rlhf.config import (
     STEPS,
     Config,
     ConfigError,
+    DataError,
     load_model_file,
     looks_local,
     missing_paths,
@@ -97,14 +98,18 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = (), 
         key = next((k for k, v in (("critic.path", schema.critic.path), ("reward.path", schema.reward.path))
                     if v and v == judge.path), "critic.model")
         sized.append((key, judge))
-    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema) + budget_problems(schema, keys)
-    if not schema.launch.dry_run:  # conf/model numbers size dry-runs only; a run loads config.json
-        problems += [f"{key}={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
-                     for key, m in sized if memory.sizes(m).fallback and looks_local(m.path)
-                     and m.path not in will_exist and not any(repr(m.path) in p for p in problems)]
+    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema) + random_start(schema, keys) \
+        + budget_problems(schema, keys)
+    # A hub id's conf/model numbers size an offline dry-run (it plans for a machine that can reach the
+    # hub); a local folder without config.json fails from_pretrained wherever the run goes.
+    problems += [f"{key}={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
+                 for key, m in sized if memory.sizes(m).fallback and looks_local(m.path)
+                 and m.path not in will_exist and not any(repr(m.path) in p for p in problems)]
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
     forecast, no_forecast = _forecast(schema)
+    if isinstance(no_forecast, DataError):  # the data the run would read is refused by its reader
+        problems.append(f"data: {no_forecast}")
     return Plan(schema=schema, run_dir=run_dir, arithmetic=_arithmetic(schema), ds_configs=_ds_configs(schema),
                 command=launch_command(schema, [run_dir]) if schema.world_size > 1 else None,
                 nodes=_nodes(schema), sizes=[f"sizes [{m.name if key.startswith('model') else key}]: "
@@ -114,6 +119,19 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = (), 
 
 # The share of the data's reference answers a generation budget must hold whole.
 BUDGET_COVERS = 0.9
+
+
+def random_start(schema: Config, keys: str = "") -> list[str]:
+    """A policy step (PPO, the preference methods) with no actor.path starts from the model group's
+    weights; where those are random (a tiny random model) it would train a policy that knows nothing,
+    which nobody means without saying so (actor.random_init=true)."""
+    if STEPS[schema.step.name].policy.name != "actor" or schema.actor.path or not schema.model.random_init \
+            or schema.actor.random_init:
+        return []
+    return [f"step={schema.step.name} has no {keys}actor.path and model={schema.model.name} is a random model: the "
+            f"policy would start from random weights. Give {keys}actor.path=<an SFT output>/model (python launch.py "
+            f"step=sft run_dir=DIR first, or a chain: pipeline=e2e), or {keys}actor.random_init=true to train from "
+            "random weights on purpose"]
 
 
 def budget_problems(schema: Config, keys: str = "") -> list[str]:
@@ -186,8 +204,12 @@ def _nodes(schema: Config) -> list[str]:
     return [per_node_text(schema), hostfile]
 
 
-def _forecast(schema: Config) -> tuple[StepForecast | None, str]:
+def _forecast(schema: Config) -> tuple[StepForecast | None, str | DataError]:
+    """The step's forecast, or why there is none: the data's own refusal (a DataError, which the run
+    would meet too), or a reason it cannot be forecast (hub data without a row count, say)."""
     try:
         return step_forecast(schema), ""
+    except DataError as e:
+        return None, e
     except (ValueError, OSError) as e:
         return None, str(e)

@@ -46,28 +46,41 @@ def cpu_bf16() -> str:
 
 def check_launchable(schema: Config) -> None:
     """What only matters when ranks really start: hostfile for several nodes, enough devices, hub
-    models reachable. Warns of bf16 on a CPU that emulates it (an order of magnitude slower than
-    fp32 there; docs/design-notes.md)."""
+    models reachable (``machine_problems``, refused in one line). Warns of bf16 on a CPU that emulates
+    it (an order of magnitude slower than fp32 there; docs/design-notes.md)."""
     if schema.hardware.accelerator == "cpu" and schema.hardware.precision == "bf16" and cpu_bf16() == "emulated":
         print("WARNING hardware.precision=bf16 on a CPU without native bf16 (no avx512_bf16/amx_bf16 in "
               "/proc/cpuinfo): bf16 matmuls are emulated there, about 20x slower than with native support "
               "(bench/ppo_step.py: 17.7 s vs 0.84 s per step); hardware.precision=fp32 is faster on this CPU",
               flush=True)
+    if problems := machine_problems(schema):
+        raise ConfigError("; ".join(problems))
+
+
+def machine_problems(schema: Config) -> list[str]:
+    """What this machine lacks for the run: a hostfile for several nodes, the devices, a hub model it
+    can neither reach nor find cached. The run refuses on them; a dry-run, which plans for the target
+    machine, prints them apart from its verdict."""
+    problems = []
     if schema.hardware.nodes > 1 and not schema.launch.hostfile and not os.environ.get("SLURM_JOB_NODELIST"):
-        raise ConfigError(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per node)")
+        problems.append(f"hardware.nodes={schema.hardware.nodes} needs launch.hostfile (one 'host slots=N' line per "
+                        "node), or a SLURM allocation")
     if schema.hardware.accelerator == "cuda":
         import torch
 
         have = torch.cuda.device_count()
         if have < schema.hardware.devices_per_node:
-            raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} but this machine has "
-                              f"{have} CUDA device(s); pick a smaller hardware preset")
+            fix = ("hardware=cpu runs it on this machine's CPU" if have == 0 else
+                   f"pick a hardware preset of at most {have} device(s) per node")
+            problems.append(f"hardware={schema.hardware.name} needs {schema.hardware.devices_per_node} CUDA device(s) "
+                            f"per node but this machine has {have}: {fix}")
     elif schema.hardware.devices_per_node > (os.cpu_count() or 1):
-        raise ConfigError(f"hardware.devices_per_node={schema.hardware.devices_per_node} CPU ranks but this machine "
-                          f"has {os.cpu_count()} cores")
+        problems.append(f"hardware.devices_per_node={schema.hardware.devices_per_node} CPU ranks but this machine "
+                        f"has {os.cpu_count()} cores")
     for key, path in (("model.path", schema.model.path if not schema.model.random_init else ""),
                       ("actor.path", schema.actor.path), ("critic.path", schema.critic.path),
                       ("reward.path", schema.reward.path)):
         if path and not looks_local(path) and (why := hub_unreachable(path)):
-            raise ConfigError(f"{key}={path!r} is a hub id, but {why}: download it where the hub is reachable "
-                              "and pass the folder, or run where the hub is reachable")
+            problems.append(f"{key}={path!r} is a hub id, but {why}: download it where the hub is reachable "
+                            "and pass the folder, or run where the hub is reachable")
+    return problems

@@ -281,9 +281,10 @@ class SourceConfig:
 
 
 def looks_local(path: str) -> bool:
-    """Paths we must find on disk; anything else ("org/name") is handed to the hub as an id."""
-    return (path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
-            or bool(re.search(r"\.(json|jsonl|parquet|csv)$", path)))
+    """Paths we must find on disk; anything else ("org/name") is handed to the hub as an id. A hub id
+    has at most one slash, so runs/e2e/.../model is a folder (relative to the working directory)."""
+    return (path.startswith(("/", "./", "../", "~")) or os.path.exists(path) or path.count("/") >= 2
+            or bool(re.search(r"\.(json|jsonl|parquet|csv|gguf)$", path)))
 
 
 @dataclass
@@ -366,6 +367,9 @@ class RoleConfig:
     # A conf/model file describing this role's architecture, for the memory pre-flight (e.g. opt-350m
     # for DeepSpeed-Chat's critic); empty: the same as the model group.
     model: str = ""
+    # actor only: start PPO or a preference method from the model group's random weights on purpose
+    # (a smoke test); false refuses such a start, which no trained policy comes from.
+    random_init: bool = False
 
     def __post_init__(self) -> None:
         if self.model and not (PROJECT_ROOT / "conf" / "model" / f"{self.model}.yaml").exists():

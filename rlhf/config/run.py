@@ -151,10 +151,22 @@ def missing_paths(cfg: Config, will_exist: tuple[str, ...] = ()) -> list[str]:
     problems = []
     for key, path in (("model.path", cfg.model.path), ("actor.path", cfg.actor.path),
                       ("critic.path", cfg.critic.path), ("reward.path", cfg.reward.path)):
-        if path and looks_local(path) and not os.path.exists(os.path.expanduser(path)) and path not in will_exist:
-            problems.append(f"{key}={path!r} does not exist (a path starting with /, ./, ../ or ~ is a local "
-                            "folder; a hub id looks like org/name)")
+        if not path or not looks_local(path) or path in will_exist:
+            continue
+        where = os.path.expanduser(path)
+        if not os.path.exists(where):
+            problems.append(f"{key}={path!r} does not exist in {os.getcwd()} (a path starting with /, ./, ../ or ~, "
+                            "or with two slashes, is a local folder; a hub id looks like org/name)")
+        elif os.path.isdir(where) and os.path.exists(os.path.join(where, "config.json")) and not _has_weights(where):
+            problems.append(f"{key}={path!r} holds config.json but no weights (model.safetensors, pytorch_model.bin "
+                            "or their index; a LoRA output's adapter_model.safetensors): from_pretrained cannot load "
+                            "it; point it at the folder a finished step saved (its model/)")
     return problems
+
+
+def _has_weights(folder: str) -> bool:
+    return any(name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".index.json"))
+               for name in os.listdir(folder))
 
 
 def load_model_file(name: str) -> ModelConfig:
