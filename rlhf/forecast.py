@@ -31,8 +31,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from rlhf.config import STEPS, Config, ModelConfig, ppo_updates_per_step, step_roles
-from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, role_models, sizes, table_bytes
+from rlhf.config import STEPS, Config, ModelConfig, ppo_updates_per_step, role_models, step_roles
+from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, sizes, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
 # batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").

@@ -23,9 +23,9 @@ layer as in training, or gathered into tensor-parallel slices over a node's rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from rlhf.config import STEPS, Config, ModelConfig, load_model_file, step_roles
+from rlhf.config import STEPS, Config, ModelConfig, role_models, step_roles
 from rlhf.errors import ConfigError
 
 GIB = 2**30
@@ -129,25 +129,6 @@ def generating_role(cfg: Config) -> str | None:
         return None
     # The trainable language model of the step: PPO's and DPO's actor, SFT's model.
     return spec.policy.name
-
-
-def _at(base: ModelConfig, path: str) -> ModelConfig:
-    """``base`` (a role's architecture numbers: the offline fallback) at the checkpoint ``path``: sized
-    from that checkpoint's own config.json (or GGUF metadata), as the role loads it."""
-    return replace(base, path=path, gguf_file=None, random_init=False)
-
-
-def role_models(cfg: Config, critic_model: ModelConfig | None = None) -> tuple[ModelConfig, ModelConfig]:
-    """The models the step really loads, as the pre-flight and the forecast size them: (the policy
-    and its reference, the critic and reward model). The policy is actor.path's checkpoint where the
-    step starts from one (PPO, the preference methods), else the model group; the critic and reward
-    model are critic.path's / reward.path's checkpoints in PPO, else ``critic_model``, critic.model's
-    conf/model file, or the model group."""
-    spec = STEPS[cfg.step.name]
-    actor = _at(cfg.model, cfg.actor.path) if cfg.actor.path and spec.policy.name == "actor" else cfg.model
-    base = critic_model or (load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model)
-    path = (cfg.critic.path or cfg.reward.path) if spec.generates else ""
-    return actor, _at(base, path) if path else base
 
 
 def table_bytes(m: ModelConfig, precision: str) -> float:

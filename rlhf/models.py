@@ -42,6 +42,7 @@ from rlhf.config import (
     ConfigError,
     LoraConfig,
     ModelConfig,
+    role_models,
 )
 
 # Special tokens of the tokenizers we train: pad is distinct from eos so that a mask built from
@@ -820,8 +821,6 @@ def ppo_role_problems(cfg: Config) -> list[str]:
     if cfg.step.reward_model_weight > 0 and not (cfg.reward.path or cfg.critic.path):
         problems.append("PPO with step.reward_model_weight > 0 needs critic.path or reward.path (a reward-model "
                         "output), or use step.reward_fn=rule step.reward_model_weight=0")
-    from rlhf.memory import role_models
-
     actor_model, judge_model = role_models(cfg)
     actor = model_sizes(actor_model)
     uses_judge = cfg.step.reward_model_weight > 0 or cfg.step.builds("critic")

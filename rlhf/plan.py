@@ -24,6 +24,7 @@ from rlhf.config import (
     looks_local,
     missing_paths,
     ppo_updates_per_step,
+    role_models,
     step_roles,
 )
 from rlhf.forecast import StepForecast, step_forecast
@@ -52,6 +53,8 @@ class Plan:
     fits: bool
     forecast: StepForecast | None
     no_forecast: str = ""  # why there is none (no peak, unreadable data)
+    # The data reader's refusal (also among the problems), raised as itself where it is the only one.
+    data_error: DataError | None = None
 
     def text(self) -> str:
         """The dry-run's printout: batch math, DeepSpeed JSON per role, launch command, sizes,
@@ -65,7 +68,10 @@ class Plan:
         return "\n".join(lines)
 
     def refuse(self) -> None:
-        """Raise ConfigError when the step cannot run (before anything is written)."""
+        """Raise ConfigError when the step cannot run (before anything is written); the data reader's
+        own DataError where it is the only reason (said as a data error, naming the file and row)."""
+        if self.data_error is not None and self.problems == [str(self.data_error)]:
+            raise self.data_error
         if self.problems:
             raise ConfigError("; ".join(self.problems))
         if not self.fits and not self.schema.launch.force:
@@ -92,7 +98,7 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = (), 
     critic = load_model_file(schema.critic.model) if schema.critic.model else None
     # What the step loads, each sized from its own config.json (or conf/model numbers offline): the
     # policy from actor.path where the step starts from one, the critic and reward model from theirs.
-    actor, judge = memory.role_models(schema, critic)
+    actor, judge = role_models(schema, critic)
     sized = [("model.path" if actor is schema.model else "actor.path", actor)]
     if any(not r.lm_head for r in step_roles(schema)) and judge is not schema.model:
         key = next((k for k, v in (("critic.path", schema.critic.path), ("reward.path", schema.reward.path))
@@ -108,17 +114,15 @@ def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = (), 
     estimate = memory.estimate(schema, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
     forecast, no_forecast = _forecast(schema)
-    if isinstance(no_forecast, DataError):  # the data the run would read is refused by its reader
-        problems.append(f"data: {no_forecast}")
+    data_error = no_forecast if isinstance(no_forecast, DataError) else None
+    if data_error is not None:  # the data the run would read is refused by its reader
+        problems.append(str(data_error))
     return Plan(schema=schema, run_dir=run_dir, arithmetic=_arithmetic(schema), ds_configs=_ds_configs(schema),
                 command=launch_command(schema, [run_dir]) if schema.world_size > 1 else None,
                 nodes=_nodes(schema), sizes=[f"sizes [{m.name if key.startswith('model') else key}]: "
                                                     f"{memory.sizes(m).describe()}" for key, m in sized],
-                problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=no_forecast)
-
-
-# The share of the data's reference answers a generation budget must hold whole.
-BUDGET_COVERS = 0.9
+                problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=str(no_forecast),
+                data_error=data_error)
 
 
 def random_start(schema: Config, keys: str = "") -> list[str]:
@@ -134,15 +138,23 @@ def random_start(schema: Config, keys: str = "") -> list[str]:
             "random weights on purpose"]
 
 
+# A budget that holds fewer than this share of the data's reference answers whole is refused; the fix
+# names the budget that holds BUDGET_SUGGESTS of them.
+BUDGET_REFUSES, BUDGET_SUGGESTS = 0.5, 0.9
+
+
 def budget_problems(schema: Config, keys: str = "") -> list[str]:
     """A generation budget too short for the data's answers: where the step generates answers a rule
     judges (PPO's rollouts and evaluations, SFT's and the preference steps' held-out accuracy), the
-    reference answers of local data, tokenized as the run tokenizes them (content and end of turn),
-    must fit step.max_new_tokens for BUDGET_COVERS of them; else every answer would be cut before its
-    end and judged wrong, and the accuracy would read 0 whatever the model learned."""
+    reference answers of local data, tokenized as the run tokenizes them (their content: a rule reads
+    an answer cut right after it as whole), must fit step.max_new_tokens for at least BUDGET_REFUSES
+    of them; else most generated answers are cut before their final answer and judged wrong, and the
+    accuracy reads near 0 whatever the model learned. PPO with step.truncated_answers=penalty or mask
+    has said what cut answers get, and is not refused."""
     step = schema.step
     budget = getattr(step, "max_new_tokens", None)
-    if budget is None or not (STEPS[step.name].generates or getattr(step, "eval_accuracy_prompts", 0)):
+    if budget is None or not (STEPS[step.name].generates or getattr(step, "eval_accuracy_prompts", 0)) \
+            or getattr(step, "truncated_answers", "keep") != "keep":
         return []
     from rlhf.data.blend import references
     from rlhf.forecast import data_tokenizer
@@ -155,16 +167,18 @@ def budget_problems(schema: Config, keys: str = "") -> list[str]:
     answers = [a for a in list(table.values())[:2000] if a.strip()]
     if len(answers) < 8:
         return []
-    lengths = sorted(len(tokenizer(a, add_special_tokens=False).input_ids) + 1 for a in answers)  # + end of turn
-    needed = lengths[min(len(lengths) - 1, int(BUDGET_COVERS * len(lengths)))]
-    if budget >= needed:
-        return []
+    lengths = sorted(len(tokenizer(a, add_special_tokens=False).input_ids) for a in answers)
     fits = sum(n <= budget for n in lengths) / len(lengths)
+    if fits >= BUDGET_REFUSES:
+        return []
+    needed = lengths[min(len(lengths) - 1, int(BUDGET_SUGGESTS * len(lengths)))] + 1  # and the end of the answer
     suggest = -(-needed // 8) * 8
     return [f"{keys}step.max_new_tokens={budget} holds only {fits:.0%} of the data's {len(lengths)} reference answers "
-            f"whole ({needed} tokens hold {BUDGET_COVERS:.0%} of them, the longest is {lengths[-1]}, counted with the "
-            f"run's tokenizer and the end of the answer): every answer longer than the budget is cut before its final "
-            f"answer and judged wrong. Set {keys}step.max_new_tokens={suggest}"]
+            f"whole ({needed} tokens with the end of the answer hold {BUDGET_SUGGESTS:.0%} of them, the longest is "
+            f"{lengths[-1] + 1}, counted with the run's tokenizer): most answers would be cut before their final answer "
+            f"and judged wrong. Set {keys}step.max_new_tokens={suggest}"
+            + (f", or say what cut answers get ({keys}step.truncated_answers=mask or penalty)"
+               if hasattr(step, "truncated_answers") else "")]
 
 
 def _arithmetic(schema: Config) -> list[str]:

@@ -212,7 +212,7 @@ def test_the_preflight_sizes_each_role_from_the_checkpoint_it_will_load(tmp_path
     assert any(x.startswith("sizes [critic.path]: 8.030B parameters") for x in lines)
     assert any(x.startswith("memory: ") and "does not fit" in x for x in lines)
     # The same step on the model group alone fits: the sizes above came from the paths.
-    small = run_cli("step=ppo", "step.reward_fn=rule", "step.reward_model_weight=0", "step.advantage_estimator=grpo",
+    small = run_cli("step=ppo", "actor.random_init=true", "step.reward_fn=rule", "step.reward_model_weight=0", "step.advantage_estimator=grpo",
                     "step.samples_per_prompt=4", "hardware=a6000", "launch.dry_run=true",
                     f"run_dir={tmp_path / 'small'}", timeout=300)
     assert small.returncode == 0 and "sizes [tiny-llama]" in small.stdout, small.stdout[-2000:]

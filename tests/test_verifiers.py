@@ -96,7 +96,8 @@ def test_left_truncated_prompts_are_scored_against_their_rows_references(tmp_pat
     filler = " ".join(["context"] * 40)
     rows = [{"prompt": f" Human: {filler} What is {i} + {i}? Assistant:", "answer": f" {2 * i}"} for i in range(24)]
     data = _folder(tmp_path, rows, rows[:8])
-    final = run(compose(["step=ppo", f"data.sources=[{{path: {data}}}]", "data.rule=math", "data.long_prompts=truncate_left",
+    final = run(compose(["step=ppo", "actor.random_init=true", f"data.sources=[{{path: {data}}}]", "data.rule=math",
+                         "data.long_prompts=truncate_left",
                          "step.reward_fn=rule", "step.reward_model_weight=0", "step.advantage_estimator=grpo",
                          "step.samples_per_prompt=4", "step.rollout_batch_size_per_device=8",
                          "step.micro_batch_size_per_device=8", "step.max_steps=2", "step.max_prompt_len=16",
@@ -121,7 +122,7 @@ def test_a_budget_too_short_for_the_data_s_answers_is_refused_in_the_dry_run_nam
     verdict = proc.stdout.strip().splitlines()[-1]
     for step in ("sft", "ppo"):
         found = re.search(rf"pipeline\.{step}\.step\.max_new_tokens=8 holds only 0% of the data's 80 reference answers "
-                          rf"whole \((\d+) tokens hold 90% .* Set pipeline\.{step}\.step\.max_new_tokens=(\d+)", verdict)
+                          rf"whole \((\d+) tokens with the end of the answer hold 90% .* Set pipeline\.{step}\.step\.max_new_tokens=(\d+)", verdict)
         assert found and 20 <= int(found.group(1)) <= int(found.group(2)) < int(found.group(1)) + 8, verdict
     fixes = re.findall(r"Set (pipeline\.\w+\.step\.max_new_tokens=\d+)", verdict)
     again = run_cli(*base, *fixes, timeout=600)

@@ -176,6 +176,25 @@ def load_model_file(name: str) -> ModelConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
 
 
+def _at(base: ModelConfig, path: str) -> ModelConfig:
+    """``base`` (a role's architecture numbers: the offline fallback) at the checkpoint ``path``: sized
+    from that checkpoint's own config.json (or GGUF metadata), as the role loads it."""
+    return dataclasses.replace(base, path=path, gguf_file=None, random_init=False)
+
+
+def role_models(cfg: Config, critic_model: ModelConfig | None = None) -> tuple[ModelConfig, ModelConfig]:
+    """The models the step really loads, as the pre-flight and the forecast size them: (the policy
+    and its reference, the critic and reward model). The policy is actor.path's checkpoint where the
+    step starts from one (PPO, the preference methods), else the model group; the critic and reward
+    model are critic.path's / reward.path's checkpoints in PPO, else ``critic_model``, critic.model's
+    conf/model file, or the model group."""
+    spec = STEPS[cfg.step.name]
+    actor = _at(cfg.model, cfg.actor.path) if cfg.actor.path and spec.policy.name == "actor" else cfg.model
+    base = critic_model or (load_model_file(cfg.critic.model) if cfg.critic.model else cfg.model)
+    path = (cfg.critic.path or cfg.reward.path) if spec.generates else ""
+    return actor, _at(base, path) if path else base
+
+
 def step_roles(cfg: Config) -> list[Role]:
     """The models this run of the step really builds (its spec's, less those its settings leave out:
     PPO without a reward-model weight builds no reward model, with a critic-free estimator no critic)."""
