@@ -115,6 +115,7 @@ def test_the_dry_run_refuses_what_the_real_run_refuses_with_the_same_reason(case
     assert not (tmp_path / "real" / "model").exists(), "refused before anything trained"
 
 
+@pytest.mark.slow
 def test_a_finished_run_s_folder_with_other_settings_is_refused_both_ways(tmp_path):
     run_dir = tmp_path / "run"
     done = run_cli(*QUICK, f"run_dir={run_dir}", timeout=600)
@@ -126,6 +127,7 @@ def test_a_finished_run_s_folder_with_other_settings_is_refused_both_ways(tmp_pa
     assert "optim.lr" in reason and reason in dry.stdout.strip().splitlines()[-1], (reason, dry.stdout[-1500:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,lacks", [
     (["model=opt-125m", "HF_HUB_OFFLINE"], "is a hub id, but HF_HUB_OFFLINE is set"),
     (["hardware=a6000"], "hardware=a6000 needs 1 CUDA device(s) per node but this machine has 0: hardware=cpu runs it"),
@@ -150,6 +152,7 @@ def test_what_this_machine_lacks_is_said_apart_from_the_dry_run_s_verdict(args, 
     assert "on this machine it would be refused (1 reason(s) above" in lines[-1]
 
 
+@pytest.mark.slow
 def test_a_sweep_s_dry_run_gives_each_job_the_real_job_s_verdict(tmp_path):
     """Two jobs, one refused (DPO from a random model) and one that starts: the dry-run's results table
     says so per job, and the real sweep fails that job with the same reason, exit 2, one job counted."""
@@ -157,7 +160,8 @@ def test_a_sweep_s_dry_run_gives_each_job_the_real_job_s_verdict(tmp_path):
     dry = run_cli(*args, "launch.dry_run=true", f"hydra.sweep.dir={tmp_path / 'dry'}", timeout=900)
     real = run_cli(*args, f"hydra.sweep.dir={tmp_path / 'real'}", timeout=900)
     assert dry.returncode == real.returncode == 2, (dry.stderr[-2000:], real.stderr[-2000:])
-    planned = {r["overrides"]: r for r in csv.DictReader(open(tmp_path / "dry" / "results.csv"))}
+    planned = {r["overrides"].replace(" launch.dry_run=True", ""): r
+               for r in csv.DictReader(open(tmp_path / "dry" / "results.csv"))}
     ran = {r["overrides"]: r for r in csv.DictReader(open(tmp_path / "real" / "results.csv"))}
     assert planned.keys() == ran.keys() and len(ran) == 2
     for job, row in ran.items():
