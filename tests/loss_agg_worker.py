@@ -1,6 +1,6 @@
 """One process of tests/test_loss_agg.py: the gradients of PPO's update (rlhf.runners.ppo_update.ppo_update,
 real DeepSpeed engines) on one fixed rollout batch of 8 answers, for every advantage estimator and
-every loss aggregation, with the batch split as the world asks: on one rank as micro 8 x
+every loss aggregation, and for each objective and rollout correction (VARIANTS) with GRPO, with the batch split as the world asks: on one rank as micro 8 x
 accumulation 1 and as micro 4 x accumulation 2; on two ranks as micro 4 x accumulation 1 per rank.
 Rank 0 writes {split: {"estimator/agg/role": gradient}} to OUT.
 
@@ -26,6 +26,11 @@ from rlhf.sampling import Sampling
 from rlhf.worker import quiet_libraries
 
 ROWS, PROMPT, ANSWER, EOS, PAD = 8, 5, 6, 2, 1
+# The objectives and rollout corrections beside PPO's clipped surrogate, each with GRPO's advantages
+# and the aggregation it takes by default: the step settings of each.
+VARIANTS = {"gspo": {"policy_loss": "gspo"}, "cispo": {"policy_loss": "cispo"}, "clip_higher": {"clip_eps_high": 0.28},
+            "tis": {"rollout_correction": "tis"}, "mis": {"rollout_correction": "mis", "rollout_correction_cap": 1.5},
+            "icepop": {"rollout_correction": "icepop", "rollout_correction_low": 0.8, "rollout_correction_cap": 1.25}}
 # Answer lengths: short and long answers mixed, two cut at the budget without an eos.
 LENGTHS = torch.tensor([1, 6, 3, 6, 2, 5, 4, 6])
 
@@ -81,32 +86,41 @@ def main(out: str) -> None:
         ref = logp + 0.3 * torch.randn(logp.shape, generator=g)
         score, values = torch.randn(ROWS, generator=g), torch.randn(ROWS, ANSWER, generator=g)
         mine = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
-        for name, estimator in losses.ESTIMATORS.items():
-            for agg in losses.LOSS_AGGS:
-                step_cfg = dataclasses.replace(cfg.step, advantage_estimator=name, loss_agg=agg, kl_in=None,
-                                               kl_estimator=None, global_batch_size=None)
-                kl = losses.kl_penalty(old, ref, step_cfg.kl_estimator) * mask
-                advantages, returns = estimator.fn(losses.AdvantageInputs(
-                    score=score, kl=kl, kl_coef=0.05 if step_cfg.kl_in == "reward" else 0.0, mask=mask,
-                    values=values, group_size=2, gamma=1.0, lam=0.95, whiten=True))
-                truncated = ~(response == EOS).any(-1)
-                exp = Experience(
-                    seq=seq[mine], attn=attn[mine], pos=pos[mine], response=response[mine], mask=mask[mine],
-                    loss_mask=mask[mine], truncated=truncated[mine], eos_id=EOS, start=start, sampling=Sampling.of(step_cfg),
-                    old_logprobs=old[mine], ref_logprobs=ref[mine],
-                    old_values=values[mine] if estimator.needs_critic else None, advantages=advantages[mine],
-                    returns=returns[mine] if returns is not None else None, kl=kl[mine].sum(-1), kl_k1=kl[mine].sum(-1),
-                    prompts=[""] * (ROWS // world), answers=[""] * (ROWS // world), scores=Scores(total=score[mine]),
-                    generate_s=0.0)
-                grads.clear()
-                ppo_update(actor, critic if estimator.needs_critic else None, exp, step_cfg, 0.1,
-                           torch.Generator().manual_seed(rank), None)
-                for role, grad in grads.items():
-                    results.setdefault(split, {})[f"{name}/{agg}/{role}"] = grad
-                with torch.no_grad():  # every combination starts from the same weights
-                    for eng, weights in start_weights.items():
-                        for p, w in zip(eng.module.parameters(), weights, strict=True):
-                            p.copy_(w)
+        # The sampler's log-probs a little off the trainer's old ones: the corrections weigh, cap and drop.
+        sampler = old + 0.2 * torch.randn(old.shape, generator=g)
+        combos = [(f"{name}/{agg}", name, {"loss_agg": agg}) for name in losses.ESTIMATORS for agg in losses.LOSS_AGGS]
+        combos += [(variant, "grpo", {"loss_agg": None, "clip_eps_low": None, "clip_eps_high": None,
+                                      "old_logprobs": "recompute", **settings}) for variant, settings in VARIANTS.items()]
+        for key, name, settings in combos:
+            estimator = losses.ESTIMATORS[name]
+            step_cfg = dataclasses.replace(cfg.step, advantage_estimator=name, kl_in=None, kl_estimator=None,
+                                           global_batch_size=None, **settings)
+            kl = losses.kl_penalty(old, ref, step_cfg.kl_estimator) * mask
+            advantages, returns = estimator.fn(losses.AdvantageInputs(
+                score=score, kl=kl, kl_coef=0.05 if step_cfg.kl_in == "reward" else 0.0, mask=mask,
+                values=values, group_size=2, gamma=1.0, lam=0.95, whiten=True))
+            weights = None
+            if step_cfg.rollout_correction != "none":
+                weights = losses.rollout_correction(old, sampler, mask, step_cfg.rollout_correction,
+                                                    step_cfg.rollout_correction_low, step_cfg.rollout_correction_cap)[0]
+            truncated = ~(response == EOS).any(-1)
+            exp = Experience(
+                seq=seq[mine], attn=attn[mine], pos=pos[mine], response=response[mine], mask=mask[mine],
+                loss_mask=mask[mine], truncated=truncated[mine], eos_id=EOS, start=start, sampling=Sampling.of(step_cfg),
+                old_logprobs=old[mine], ref_logprobs=ref[mine],
+                old_values=values[mine] if estimator.needs_critic else None, advantages=advantages[mine],
+                returns=returns[mine] if returns is not None else None, kl=kl[mine].sum(-1), kl_k1=kl[mine].sum(-1),
+                prompts=[""] * (ROWS // world), answers=[""] * (ROWS // world), scores=Scores(total=score[mine]),
+                generate_s=0.0, is_weights=None if weights is None else weights[mine])
+            grads.clear()
+            ppo_update(actor, critic if estimator.needs_critic else None, exp, step_cfg, 0.1,
+                       torch.Generator().manual_seed(rank), None)
+            for role, grad in grads.items():
+                results.setdefault(split, {})[f"{key}/{role}"] = grad
+            with torch.no_grad():  # every combination starts from the same weights
+                for eng, weights in start_weights.items():
+                    for p, w in zip(eng.module.parameters(), weights, strict=True):
+                        p.copy_(w)
     if rank == 0:
         torch.save(results, out)
 
