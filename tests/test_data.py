@@ -13,7 +13,7 @@ from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, blend, heldout_split, load_step_data, split_part
 from rlhf.data.tokenize import IGNORE_INDEX, BadRowError, PadCollator, sft_dataset
 from rlhf.verifiers import math_score
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 SORT = str(ROOT / "data" / "synthetic" / "sort")
 
@@ -315,8 +315,19 @@ def test_a_line_that_is_not_json_is_named_or_dropped_and_counted(tmp_path):
     cfg.on_bad_row = "drop"
     report = DataReport()
     train, _ = load_step_data(cfg, "reward", report)
-    assert report.dropped["source"] == {f"{folder / 'train.jsonl'}: line not a JSON object": 2}
+    assert report.dropped["source"] == {f"{folder / 'train.jsonl'}: not a JSON object (line 2, 4)": 2}
     assert report.sources[str(folder)]["train_rows"] == 3
+
+
+def test_dropped_rows_are_said_on_the_console_with_file_and_line(tmp_path):
+    rows = [json.dumps({"prompt": f" Human: sort {c} a Assistant:", "chosen": f" a {c}", "rejected": f" {c} a"})
+            for c in "bcdefghijklmnopqrstuvwxyz" * 4]
+    folder, _ = _folder(tmp_path, "\n".join([*rows[:3], "{broken", *rows[3:]]) + "\n")
+    proc = run_cli(f"data.sources=[{{path: {folder}}}]", "step.max_steps=2", "logging.progress_bar=false",
+                   f"run_dir={tmp_path / 'run'}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (f"[sft] rows dropped (data.on_bad_row=drop; data_report.json): 1 source: {folder / 'train.jsonl'}: "
+            "not a JSON object (line 4)") in proc.stdout, proc.stdout[-2000:]
 
 
 def test_an_empty_train_file_and_a_number_for_text_are_named(tmp_path):

@@ -148,7 +148,8 @@ def _json_rows_ok(path: Path, on_bad_row: str, report: DataReport | None) -> Pat
     if not bad:
         return path
     if report is not None:
-        report.drop("source", f"{path}: line not a JSON object", len(bad))
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        report.drop("source", f"{path}: not a JSON object (line {shown})", len(bad))
     from rlhf.models import cache_root
 
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]

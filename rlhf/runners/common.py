@@ -70,8 +70,17 @@ def step_data(cfg: Config, step: str, tokenizer, params: dict, build) -> tuple:
     report = DataReport()
     out = cached_step_data(step, cfg.data, tokenizer, params, report, build)
     if dist.get_rank() == 0:
-        (Path(cfg.run_dir) / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+        write_data_report(cfg, step, report)
     return (*out, report)
+
+
+def write_data_report(cfg: Config, step: str, report) -> None:
+    """data_report.json in the run directory, and on the console every reason rows were dropped for,
+    with its count (and file and line where it has them): nothing is dropped quietly."""
+    (Path(cfg.run_dir) / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    dropped = [f"{n} {split}: {why}" for split, reasons in report.dropped.items() for why, n in reasons.items()]
+    if dropped:
+        say(f"[{step}] rows dropped (data.on_bad_row={cfg.data.on_bad_row}; data_report.json): " + "; ".join(dropped))
 
 
 def as_select(metrics: dict[str, float]) -> dict[str, float]:

@@ -7,9 +7,7 @@ them once at the start of a run.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler
@@ -20,7 +18,7 @@ from rlhf.config import Config, ConfigError
 from rlhf.data.blend import DataReport, data_rule, heldout_split, load_step_data, load_text_sources, named_rule
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.rollout import left_pad, prompt_dataset
-from rlhf.runners.common import count_params
+from rlhf.runners.common import count_params, write_data_report
 
 
 @dataclass
@@ -117,7 +115,7 @@ def build_prompts(cfg: Config, tokenizer, rank: int, world: int) -> Prompts:
                                 collate_fn=PadCollator(tokenizer.pad_token_id))
         ptx = iter(_forever(ptx_loader))
     if rank == 0:
-        (Path(cfg.run_dir) / "data_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+        write_data_report(cfg, "ppo", report)
     return Prompts(loader, sampler, len(train_prompts), select, report_half, ptx, steps, report)
 
 
