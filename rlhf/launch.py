@@ -22,6 +22,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] 
     """Validate (every schema check, before any model or data loads), fix the run directory, and
     run the step or the chain. Raises ConfigError for user errors, before anything is written."""
     schema: Config = to_schema(cfg)
+    from rlhf.worker import quiet_libraries
+
+    quiet_libraries()  # a dry-run and a chain read data and build models here too: no library bars
     if not cfg.run_dir:
         from hydra.core.hydra_config import HydraConfig
 

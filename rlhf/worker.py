@@ -62,11 +62,18 @@ def init_distributed(cfg: Config) -> None:
 
 
 def quiet_libraries() -> None:
-    """Keep the console for our own progress lines: no per-file load bars or info chatter."""
+    """Keep the console for our own progress lines: no per-file load bars or info chatter, and none of
+    the libraries' deprecation notices about their own internal calls (DeepSpeed's collectives,
+    transformers' checkpointing names), which a user can do nothing about."""
     import logging
+    import warnings
 
     import datasets
     import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*(is_gradient_checkpointing|"
+                            r"gradient_checkpointing_enable|gradient_checkpointing_disable).*")
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
