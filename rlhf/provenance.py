@@ -75,8 +75,24 @@ def changed_settings(run_dir: Path, cfg: DictConfig) -> dict[str, str]:
         return {}
     old = flat_keys(OmegaConf.to_container(OmegaConf.load(old_file), resolve=False))
     new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
+    # A key the schema gained after that run (absent there) at its default changes nothing the run did:
+    # otherwise every new setting would make every earlier run "another experiment".
+    defaults = schema_defaults(str(new.get("step.name", "")))
     return {k: f"{old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not any(k == p or k.startswith(p + ".") for p in _NOT_RESULTS)}
+            if old.get(k) != new.get(k) and not any(k == p or k.startswith(p + ".") for p in _NOT_RESULTS)
+            and not (k not in old and k in defaults and new.get(k) == defaults[k])}
+
+
+def schema_defaults(step: str) -> dict[str, object]:
+    """Every key's default in the typed schema (the step's own schema under step.*), flattened."""
+    from rlhf.config import STEP_SCHEMAS, Config
+
+    out = {k: v for k, v in flat_keys(OmegaConf.to_container(OmegaConf.structured(Config))).items()
+           if not k.startswith("step.")}
+    if step in STEP_SCHEMAS:
+        out.update({f"step.{k}": v for k, v in flat_keys(OmegaConf.to_container(
+            OmegaConf.structured(STEP_SCHEMAS[step]))).items()})
+    return out
 
 
 def shown_changes(changes: dict[str, str], limit: int = 6) -> str:

@@ -255,6 +255,16 @@ def test_a_folder_holding_a_run_with_other_settings_is_refused_and_resume_never_
     with pytest.raises(ConfigError, match=r"holds a run made with other settings \(optim.lr: 0.003 -> 0.001; "
                                           r"seed: 42 -> 7\).*resume=never to start over"):
         run(compose([*base, "seed=7", "optim.lr=1e-3"]))
+    # A key the schema gained after a run (absent from its config.yaml) at its default is no change:
+    # the run is reused; set to anything else, it is a change like any other.
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["actor"]["random_init"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert run(compose(base)) == first
+    with pytest.raises(ConfigError, match=r"actor.random_init: \(absent\) -> True"):
+        run(compose([*base, "actor.random_init=true"]))
     again = run(compose([*base, "seed=7", "resume=never"]))
     assert again["step"] == 2 and "seed: 7" in (tmp_path / "config.yaml").read_text()
 
