@@ -231,3 +231,25 @@ def test_the_readme_s_table_of_step_defaults_is_what_each_step_composes_to():
             assert got == (lr, scheduler, int(warmup), int(cells[3]), int(cells[4]), int(cells[5].split()[0])), step
             seen.add(step)
     assert {"sft", "reward", "ppo", "dpo", "simpo", "orpo", "kto"} <= seen
+
+
+@pytest.mark.parametrize(("override", "suggestion"), [
+    ("max_steps=5", "step.max_steps"),                   # the right name under another group
+    ("optim.learning_rate=1e-3", "optim.lr"),            # a peer trainer's name (TRL, transformers)
+    ("learning_rate=1e-3", "optim.lr"),
+    ("num_generations=8", "step.samples_per_prompt"),
+    ("optim.lrr=1e-3", "optim.lr"),                      # a typo
+])
+def test_a_key_the_config_lacks_names_the_key_people_mean(override, suggestion):
+    from rlhf.config import check_override_keys
+
+    with pytest.raises(ConfigError, match=rf"is not a key of the config; did you mean {re.escape(suggestion)}\?$"):
+        check_override_keys([override])
+
+
+def test_a_hub_id_as_a_model_option_points_to_model_path():
+    from rlhf.config import check_override_keys
+
+    with pytest.raises(ConfigError, match=r"model=Qwen/Qwen2.5-0.5B: no such option; .* goes in "
+                                          r"model.path=Qwen/Qwen2.5-0.5B"):
+        check_override_keys(["model=Qwen/Qwen2.5-0.5B"])

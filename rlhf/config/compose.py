@@ -105,11 +105,29 @@ def _unknown_keys(node: DictConfig, prefix: str = ""):
             yield from _unknown_keys(child, f"{prefix}{key}.")
 
 
-def _not_a_key(key: str, known: list[str]) -> ConfigError:
-    """The one-line refusal of a key the config lacks, naming the nearest known key."""
+# The names other trainers (TRL, transformers' Trainer, OpenRLHF) give settings that have a key here.
+PEER_KEYS = {"learning_rate": "optim.lr", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
+             "warmup_steps": "optim.warmup_steps", "lr_scheduler_type": "optim.scheduler",
+             "max_grad_norm": "optim.grad_clip", "num_train_epochs": "step.epochs", "max_steps": "step.max_steps",
+             "per_device_train_batch_size": "step.micro_batch_size_per_device",
+             "micro_train_batch_size": "step.micro_batch_size_per_device", "num_generations": "step.samples_per_prompt",
+             "n_samples_per_prompt": "step.samples_per_prompt", "max_completion_length": "step.max_new_tokens",
+             "generate_max_len": "step.max_new_tokens", "num_ppo_epochs": "step.ppo_epochs", "cliprange": "step.clip_range",
+             "epsilon": "step.clip_range", "epsilon_high": "step.clip_eps_high", "init_kl_coef": "step.kl_coef",
+             "model_name_or_path": "model.path", "pretrain": "model.path", "output_dir": "run_dir",
+             "lora_r": "lora.rank", "deepspeed": "zero", "zero_stage": "zero"}
+
+
+def _not_a_key(key: str, known: list[str], every: list[str] | None = None) -> ConfigError:
+    """The one-line refusal of a key the config lacks, naming the nearest known key: a peer trainer's
+    name for one of ours (learning_rate: optim.lr), the same name under another group (max_steps:
+    step.max_steps, out of ``every`` key), else the closest spelling among its siblings (``known``)."""
     import difflib
 
-    near = difflib.get_close_matches(key, known, n=1)
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in every or [] if k.rsplit(".", 1)[-1] == leaf and k != key]
+    near = ([PEER_KEYS[leaf]] if leaf in PEER_KEYS else same_leaf[:1] or difflib.get_close_matches(key, known, n=1)
+            or difflib.get_close_matches(key, every or [], n=1, cutoff=0.75))
     return ConfigError(f"{key} is not a key of the config" + (f"; did you mean {near[0]}?" if near else
                                                               "; `python launch.py --cfg job` shows them all"))
 
@@ -169,7 +187,11 @@ def check_override_keys(overrides: list[str]) -> None:
         except ConfigCompositionException:
             node = None
         known = [f"{parent}.{k}" if parent else str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-        raise _not_a_key(key, known) from None
+        try:
+            every = list(_leaf_keys(compose_config(rest)))
+        except ConfigCompositionException:
+            every = []
+        raise _not_a_key(key, known, every) from None
     except HydraException as err:  # a group option that does not exist, an override Hydra cannot parse
         raise composition_error(err) from None
 
@@ -211,6 +233,15 @@ def check_command_line(args: list[str]) -> None:
             check_override_keys([*firsts[:i], f"{key}={value}", *firsts[i + 1:]])
 
 
+def _leaf_keys(node, prefix: str = ""):
+    for k in node.keys():
+        child = node._get_node(k)
+        if isinstance(child, DictConfig):
+            yield from _leaf_keys(child, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
 def composition_error(err: Exception) -> ConfigError:
     """Hydra's multi-line composition error as one line naming the key, the value and what it takes.
 
@@ -229,8 +260,11 @@ def composition_error(err: Exception) -> ConfigError:
         options = [o.strip() for o in text.split(f"Available options in '{group}':", 1)[-1].split("Config search")[0]
                    .splitlines() if o.strip() and not o.strip().startswith("schema")]
         where = PROJECT_ROOT / "conf" / group
+        # A hub id or a folder is a path, not a file of the model group.
+        hint = (f"; a hub id or folder goes in model.path={value} (with model=<the nearest file> for its numbers "
+                "offline)" if group == "model" and ("/" in value or value.startswith(("~", "."))) else "")
         return ConfigError(f"{group}={value}: no such option; {group} is one of {', '.join(options)} "
-                           f"(the files in {where if where.is_dir() else 'the config search path'})")
+                           f"(the files in {where if where.is_dir() else 'the config search path'}){hint}")
     if found := re.search(r"Could not find '([^']+)'", text):
         return ConfigError(f"{found.group(1)}: no such config file")
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
