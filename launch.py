@@ -90,6 +90,37 @@ def dry_run_verdict(final: dict, run_dir: Path, step: str, overrides: list[str],
     return math.nan
 
 
+def job_config_asked(args: list[str]) -> bool:
+    """`--cfg job` (or `-c job`) alone, without a package or a multirun: printed here, not by Hydra."""
+    flags = [a for a in args if a.startswith("-")]
+    return any(a in ("--cfg", "-c") and i + 1 < len(args) and args[i + 1] == "job" for i, a in enumerate(args)) \
+        and set(flags) <= {"--cfg", "-c"}
+
+
+def job_config(args: list[str]) -> str:
+    """What `--cfg job` prints: the composed config, as Hydra prints it, less the chain's per-step
+    blocks (pipeline.<step>) that nothing sets: each is every key of a run, all null."""
+    from omegaconf import OmegaConf
+
+    from rlhf.config import compose_config
+
+    overrides = [a for i, a in enumerate(args) if not a.startswith("-") and not (i and args[i - 1] in ("--cfg", "-c"))]
+    node = OmegaConf.to_container(compose_config(overrides), resolve=False)
+
+    def set_only(tree):
+        if not isinstance(tree, dict):
+            return tree
+        kept = {k: set_only(v) for k, v in tree.items()}
+        return {k: v for k, v in kept.items() if v is not None and v != {}}
+
+    pipeline = node.get("pipeline", {})
+    for name in [k for k, v in pipeline.items() if isinstance(v, dict) and k != "stages"]:
+        pipeline[name] = set_only(pipeline[name])
+        if not pipeline[name]:
+            del pipeline[name]
+    return OmegaConf.to_yaml(OmegaConf.create(node))
+
+
 def optuna_dry_run(args: list[str]) -> list[str]:
     """A dry-run of an Optuna sweep is the dry-run of its base config, once: its trials are points the
     study has not drawn yet, and a trial without an objective fails the study's end. The other sweeps
@@ -125,6 +156,9 @@ if __name__ == "__main__":
     except ConfigError as err:
         print(f"{err.kind} error: {err}", file=sys.stderr)
         sys.exit(2)
+    if job_config_asked(sys.argv[1:]):
+        print(job_config(sys.argv[1:]), end="")
+        sys.exit(0)
     if {"-m", "--multirun"} & set(sys.argv[1:]) and any(a.lower() == "launch.dry_run=true" for a in sys.argv[1:]):
         sys.argv[1:] = optuna_dry_run(sys.argv[1:])
     main()

@@ -108,3 +108,11 @@ def test_the_python_api_composes_and_trains_as_the_command_line_does(tmp_path, m
     assert len(run_dirs) == 1 and final["step"] == 4 and final["stopped_by"] == "the cap step.max_steps=4"
     assert json.loads((run_dirs[0] / "final_metrics.json").read_text())["step"] == 4
     assert (run_dirs[0] / "command.txt").read_text().split()[1:3] == ["launch.py", "step=sft"]
+
+
+def test_cfg_job_prints_the_composed_config_without_the_chain_s_unset_step_blocks(tmp_path):
+    plain = run_cli("--cfg", "job", "optim.lr=1e-3", timeout=300)
+    assert plain.returncode == 0 and "lr: 0.001" in plain.stdout and len(plain.stdout.splitlines()) < 250
+    assert "  sft:\n    model:" not in plain.stdout, "no block of nulls for each step of a chain"
+    chain = run_cli("--cfg", "job", "pipeline=e2e", "pipeline.ppo.step.epochs=1", timeout=300)
+    assert chain.returncode == 0 and "  ppo:\n    step:\n      epochs: 1" in chain.stdout, chain.stdout[-1500:]
