@@ -36,7 +36,10 @@ def tiny_overrides(name: str) -> list[str]:
     world = cfg.hardware.nodes * cfg.hardware.devices_per_node
     hub_data = not all(looks_local(s.path) for s in cfg.data.sources)
     # 2048 positions: the presets' sequences (up to 1024 + 1024 in PPO) must fit the tiny model.
+    # A preset whose policy step starts from the (now random) model group, with no SFT before it, says so.
+    policy_first = cfg.pipeline.steps and cfg.pipeline.steps[0] != "sft"
     return [f"model={tiny}", "model.max_positions=2048", f"critic.model={tiny}",
+            *([f"pipeline.{cfg.pipeline.steps[0]}.actor.random_init=true"] if policy_first else []),
             f"hardware={'cpu-2rank' if world > 1 else 'cpu'}", f"launch.master_port={free_port()}",
             *(["data.sources=[{path: ${project_root:}/data/synthetic/sort}]"] if hub_data else [])]
 

@@ -89,7 +89,7 @@ BASE = ["pipeline=e2e", *QUIET, *PPO_SHORT]
 def test_sft_stopped_by_its_cap_is_followed_by_a_higher_cap(tmp_path):
     """The shipped sort task: SFT at 0% after 2 steps; the fix doubles that cap, and again."""
     seen = follow(tmp_path, [*BASE, *RULE_PPO, "pipeline.sft.step.max_steps=2"], rounds=2)
-    assert seen[0].startswith("Step 3 (PPO) not started: the SFT policy's held-out accuracy by the rule is") \
+    assert seen[0].startswith("Step 2 (PPO) not started: the SFT policy's held-out accuracy by the rule is") \
         and "pipeline.sft.step.max_steps=4" in seen[0] and "pipeline.sft.step.max_steps=8" in seen[1], seen
 
 
