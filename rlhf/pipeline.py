@@ -25,10 +25,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import launch_step
-from rlhf.config import STEPS, Config, ConfigError, compose_config, step_roles, to_schema
+from rlhf.config import STEPS, Config, ConfigError, compose_config, role_models, step_roles, to_schema
 from rlhf.files import write_whole
 from rlhf.launcher import launch_ranks
-from rlhf.plan import build_plan
+from rlhf.plan import build_plan, shaped_as_built
 from rlhf.provenance import (
     changed_settings,
     flat_keys,
@@ -76,13 +76,16 @@ def step_overrides(cfg: DictConfig, name: str, overrides: list[str], outputs: di
     extra = [f"step={name}"]
     if stages := list(cfg.pipeline.stages.get(name, [])):
         extra.append(f"+stage=[{','.join(stages)}]")
+    inputs = []
     for key, source, flag in STEPS[name].chain_inputs:  # earlier steps' outputs, as the spec says
         if source in outputs and (flag is None or cfg.pipeline[flag]):
-            extra += [f"{key}={outputs[source]}"] + (["model.random_init=false"] if key == "model.path" else [])
+            inputs += [f"{key}={outputs[source]}"] + (["model.random_init=false"] if key == "model.path" else [])
     base = [o for o in overrides if not o.lstrip("+~").startswith(_CHAIN_KEYS)]
-    # Stage files and outputs first, the command line after: what the user typed wins. The step's
-    # own config is never a chain, whatever an experiment file says.
-    return [*extra, *base, "pipeline.steps=[]", f"run_dir={chain_dir / name}"]
+    # Stage files first, the command line after: what the user typed wins, except over the earlier
+    # steps' outputs: a model.path typed for the chain is where its first step starts, and the reward
+    # model still starts from SFT's output (pipeline.<step>.model.path sets one step's own). The
+    # step's own config is never a chain, whatever an experiment file says.
+    return [*extra, *base, *inputs, "pipeline.steps=[]", f"run_dir={chain_dir / name}"]
 
 
 def step_config(cfg: DictConfig, name: str, overrides: list[str], outputs: dict[str, str],
@@ -110,9 +113,9 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
                if k in steps or schema.launch.dry_run or (reuse and finished(chain_dir / k))}
 
     steps, skipped = skip_unused(cfg, steps, overrides, outputs, chain_dir)
-    planned, plans = _plan_steps(cfg, schema, steps, overrides, outputs, chain_dir)
+    planned, plans, will_exist = _plan_steps(cfg, schema, steps, overrides, outputs, chain_dir)
     if schema.launch.dry_run:
-        return _dry_run(planned, chain_dir, tuple(outputs.values()), chain)
+        return _dry_run(planned, chain_dir, will_exist, chain)
 
     chain_dir.mkdir(parents=True, exist_ok=True)
     write_run_dir(cfg, chain_dir, overrides, command)
@@ -169,11 +172,14 @@ def run_chain(cfg: DictConfig, schema: Config, overrides: list[str], command: li
 
 
 def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: list[str], outputs: dict[str, str],
-                chain_dir: Path) -> tuple[dict, dict]:
+                chain_dir: Path) -> tuple[dict, dict, dict]:
     """Every step composed and checked before the first one trains: {step: (config, schema, overrides,
-    delta)}, and {step: its plan} for each step that will run now (a dry-run plans at printing)."""
+    delta)}, {step: its plan} for each step that will run now (a dry-run plans at printing), and the
+    outputs not written yet with the model each will have the architecture of (build_plan's will_exist)."""
     reuse = schema.resume == "auto" and not schema.launch.dry_run
     planned, plans, again = {}, {}, {}
+    # An output of a step not run now stands for the chain's model; each step run now, for what it trains.
+    will_exist = {path: schema.model for path in outputs.values()}
     for name in steps:
         step_cfg, args, delta = step_config(cfg, name, overrides, outputs, chain_dir)
         step_schema = to_schema(step_cfg)
@@ -181,14 +187,15 @@ def _plan_steps(cfg: DictConfig, schema: Config, steps: list[str], overrides: li
         if reuse and (why := _train_again(chain_dir / name, step_cfg, delta, again, schema.pipeline.steps)):
             again[name] = why
         if not schema.launch.dry_run and (name in again or not (reuse and finished(chain_dir / name))):
-            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=tuple(outputs.values()),
-                                     keys=f"pipeline.{name}.")
+            plans[name] = build_plan(step_schema, chain_dir / name, will_exist=will_exist, keys=f"pipeline.{name}.")
             plans[name].refuse()
+        if name in outputs:
+            will_exist[outputs[name]] = role_models(shaped_as_built(step_schema, will_exist))[0]
         planned[name] = (step_cfg, step_schema, args, delta)
     for name, why in again.items():  # only once every step is planned: a refusal leaves the folder as it was
         print(f"[e2e] {title(name, schema.pipeline.steps)}: trained again from the start: {why}", flush=True)
         start_over(chain_dir / name)
-    return planned, plans
+    return planned, plans, will_exist
 
 
 def _train_again(step_dir: Path, step_cfg: DictConfig, delta: dict, again: dict[str, str], chain) -> str | None:
@@ -206,7 +213,7 @@ def _train_again(step_dir: Path, step_cfg: DictConfig, delta: dict, again: dict[
     return None
 
 
-def _dry_run(planned: dict, chain_dir: Path, will_exist: tuple[str, ...], chain: list[str]) -> dict:
+def _dry_run(planned: dict, chain_dir: Path, will_exist: dict, chain: list[str]) -> dict:
     """Each step's plan printed, and the chain's verdict: it starts only if every step would."""
     verdicts = {}
     for name, (_, step_schema, _, _) in planned.items():

@@ -9,7 +9,10 @@ prints it (``Plan.text``), the launch refuses on it (``Plan.refuse``) and execut
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ from rlhf.config import (
     Config,
     ConfigError,
     DataError,
+    ModelConfig,
     load_model_file,
     looks_local,
     missing_paths,
@@ -89,40 +93,72 @@ class Plan:
         return {"dry_run": True, "fits": self.fits and not self.problems, "refused": why}
 
 
-def build_plan(schema: Config, run_dir: Path, will_exist: tuple[str, ...] = (), keys: str = "") -> Plan:
+def build_plan(schema: Config, run_dir: Path, will_exist: dict[str, ModelConfig] | None = None,
+               keys: str = "") -> Plan:
     """The plan of one step. ``will_exist``: model folders an earlier step of the same launch writes
-    (not refused as missing; sized by their conf/model numbers until they exist); ``keys``: what a
-    fix's key starts with (pipeline.<step>. in a chain)."""
+    (not refused as missing), each with the model that step trains, whose architecture its output has
+    (sized from that model until the folder exists); ``keys``: what a fix's key starts with
+    (pipeline.<step>. in a chain)."""
     from rlhf.models import ppo_role_problems  # torch and transformers: loaded where a model is sized
 
+    will_exist = will_exist or {}
     critic = load_model_file(schema.critic.model) if schema.critic.model else None
-    # What the step loads, each sized from its own config.json (or conf/model numbers offline): the
-    # policy from actor.path where the step starts from one, the critic and reward model from theirs.
-    actor, judge = role_models(schema, critic)
-    sized = [("model.path" if actor is schema.model else "actor.path", actor)]
-    if any(not r.lm_head for r in step_roles(schema)) and judge is not schema.model:
-        key = next((k for k, v in (("critic.path", schema.critic.path), ("reward.path", schema.reward.path))
+    # What the step loads, each sized from its own config.json (or GGUF metadata, or conf/model numbers
+    # offline): the policy from actor.path where the step starts from one, the critic and reward model
+    # from theirs; an earlier step's output not written yet, from the model that step trains.
+    sizing = shaped_as_built(schema, will_exist)
+    actor, judge = role_models(sizing, critic)
+    sized = [("model.path" if actor is sizing.model else "actor.path", actor)]
+    if any(not r.lm_head for r in step_roles(schema)) and judge is not sizing.model:
+        key = next((k for k, v in (("critic.path", sizing.critic.path), ("reward.path", sizing.reward.path))
                     if v and v == judge.path), "critic.model")
         sized.append((key, judge))
-    problems = missing_paths(schema, will_exist) + ppo_role_problems(schema) + random_start(schema, keys) \
-        + budget_problems(schema, keys)
+    problems = missing_paths(schema, will_exist) + ppo_role_problems(sizing) + random_start(schema, keys) \
+        + budget_problems(sizing, keys)
     # A hub id's conf/model numbers size an offline dry-run (it plans for a machine that can reach the
     # hub); a local folder without config.json fails from_pretrained wherever the run goes.
     problems += [f"{key}={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
                  for key, m in sized if memory.sizes(m).fallback and looks_local(m.path)
                  and m.path not in will_exist and not any(repr(m.path) in p for p in problems)]
-    estimate = memory.estimate(schema, critic)
+    estimate = memory.estimate(sizing, critic)
     fits, _ = memory.verdict(estimate, schema.hardware.memory_per_device_gb)
-    forecast, no_forecast = _forecast(schema)
+    forecast, no_forecast = _forecast(sizing)
     data_error = no_forecast if isinstance(no_forecast, DataError) else None
     if data_error is not None:  # the data the run would read is refused by its reader
         problems.append(str(data_error))
     return Plan(schema=schema, run_dir=run_dir, arithmetic=_arithmetic(schema), ds_configs=_ds_configs(schema),
                 command=launch_command(schema, [run_dir]) if schema.world_size > 1 else None,
                 nodes=_nodes(schema), sizes=[f"sizes [{m.name if key.startswith('model') else key}]: "
-                                                    f"{memory.sizes(m).describe()}" for key, m in sized],
+                                                    f"{memory.sizes(m).describe()}{_not_yet(schema, key, will_exist)}"
+                                                    for key, m in sized],
                 problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=str(no_forecast),
                 data_error=data_error)
+
+
+def _not_yet(schema: Config, key: str, will_exist: dict) -> str:
+    group, field = key.split(".")
+    path = getattr(getattr(schema, group), field) if field == "path" else ""
+    if path in will_exist and not os.path.exists(os.path.expanduser(path)):
+        return f" (as {key}={path}, which an earlier step of the chain writes with this architecture)"
+    return ""
+
+
+def shaped_as_built(schema: Config, will_exist: dict[str, ModelConfig]) -> Config:
+    """``schema`` as the pre-flight sizes it before a chain has run: each model path that an earlier
+    step writes and that is not there yet stands for the model that step trains (a step's output keeps
+    its start's architecture), so a GGUF or hub model with no numbers in conf/model is sized from its
+    own metadata at every step of the chain, not only the first."""
+    def built(path: str) -> ModelConfig | None:
+        return will_exist.get(path) if path and not os.path.exists(os.path.expanduser(path)) else None
+
+    sizing = copy.copy(schema)
+    if (m := built(schema.model.path)) is not None:
+        sizing.model = dataclasses.replace(schema.model, path=m.path, gguf_file=m.gguf_file, random_init=m.random_init)
+    for role in ("actor", "critic", "reward"):
+        if (m := built(getattr(schema, role).path)) is not None:
+            where = os.path.join(m.path, m.gguf_file) if m.gguf_file else m.path
+            setattr(sizing, role, dataclasses.replace(getattr(schema, role), path=where))
+    return sizing
 
 
 def random_start(schema: Config, keys: str = "") -> list[str]:

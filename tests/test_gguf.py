@@ -121,3 +121,18 @@ def test_sft_and_grpo_train_a_gguf_model_and_save_safetensors_folders(gguf_path,
     assert final["actor_weight_change"] > 0
     saved = AutoTokenizer.from_pretrained(tmp_path / "ppo" / ("model_last" if final.get("best_step") == 0 else "model"))
     assert saved.eos_token == "<|im_end|>"  # the trained model's answers end where its template's turns do
+
+
+def test_a_chain_on_a_model_without_conf_numbers_sizes_every_step_before_any_ran(gguf_path, tmp_path, capsys):
+    # conf/model/smollm2-135m-instruct.yaml has no numbers: the reward model (from SFT's output) and PPO's
+    # actor and critic are sized as the model the step before trains, not refused as unreadable folders.
+    args = ["pipeline=e2e", "model=smollm2-135m-instruct", f"model.path={gguf_path}", "launch.dry_run=true",
+            f"run_dir={tmp_path / 'chain'}", *QUIET]
+    result = run(compose(args), args)
+    out = capsys.readouterr().out
+    assert result["fits"] and not result["refused"], result
+    sizes = [line for line in out.splitlines() if line.startswith("sizes [")]
+    assert len(sizes) == 4 and all(f"the GGUF metadata of {gguf_path}" in line for line in sizes), sizes
+    assert [line.split("]")[0] for line in sizes] == ["sizes [smollm2-135m-instruct", "sizes [smollm2-135m-instruct",
+                                                       "sizes [actor.path", "sizes [critic.path"]
+    assert sum("which an earlier step of the chain writes" in line for line in sizes) == 3, sizes
