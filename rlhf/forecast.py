@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from rlhf.config import STEPS, Config, ModelConfig, ppo_updates_per_step, role_models, step_roles
 from rlhf.memory import bytes_per_param, generation_gathering, kv_width, param_counts, sizes, table_bytes
+from rlhf.probes import extensions_root
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
 # batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").
@@ -504,9 +505,41 @@ def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None
     sized = copy.copy(cfg)
     sized.model = role_models(cfg)[0]
     try:
-        return _forecast(sized, rows, part_rows, rates, lengths)
+        found = _forecast(sized, rows, part_rows, rates, lengths)
     finally:
         _READ.clear()  # the data is read once per forecast, and not held through the run
+    if seconds := startup_s(cfg, found.notes):
+        found.phases["start-up"] = seconds
+    return found
+
+
+# A launch through the DeepSpeed launcher (several ranks): the launcher and each rank start Python,
+# import torch, DeepSpeed and transformers, and meet at the rendezvous (about 20 s on 2 CPU cores).
+LAUNCH_S = 20.0
+# DeepSpeed compiles an op on the first run of a machine that needs it (the CPU backend's shared-memory
+# all-reduce, CPU-Adam): 30-70 s each on 2 cores, with a C++ toolchain.
+OP_BUILD_S = 60.0
+
+
+def startup_s(cfg: Config, notes: list[str]) -> float:
+    """What a run spends before its first step beyond loading its models: the launch of its ranks, and
+    the DeepSpeed ops it compiles where this machine (a CPU preset: the one the plan runs on) has not
+    built them yet. Not per step: a run stopped early still paid it."""
+    hw, world = cfg.hardware, cfg.world_size
+    ops = [op for op, needed in (("deepspeed_shm_comm", hw.accelerator == "cpu" and world > 1),
+                                 ("cpu_adam", cfg.zero.offload_optimizer.device == "cpu")) if needed]
+    seconds = LAUNCH_S if world > 1 else 0.0
+    if hw.accelerator != "cpu":
+        if ops:
+            _note(notes, f"start-up: DeepSpeed compiles {', '.join(ops)} on a machine's first run that needs it "
+                         f"(about {OP_BUILD_S:.0f} s each): not counted, the target machine's build cache is unknown here")
+        return seconds
+    root = extensions_root()
+    missing = [op for op in ops if not any(root.glob(f"**/{op}.so"))]
+    if missing:
+        _note(notes, f"start-up: DeepSpeed compiles {', '.join(missing)} on this machine's first run that needs it "
+                     f"(about {OP_BUILD_S:.0f} s each; kept in {root})")
+    return seconds + OP_BUILD_S * len(missing)
 
 
 # A step that trains until ready (an accuracy bar, a plateau's patience) runs at most its forecast.

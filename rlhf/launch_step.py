@@ -30,11 +30,12 @@ def write_forecast(plan: Plan) -> None:
     if f is None:
         print(f"[{name}] no forecast: {plan.no_forecast}", flush=True)
         return
-    per_step = f.seconds / max(f.steps, 1)
+    startup = f.phases.get("start-up", 0.0)
+    per_step = (f.seconds - startup) / max(f.steps, 1)
     money = f", ${f.cost:,.2f}" if f.cost is not None else ""
     print(f"[{name}] forecast: {duration(f.seconds)} for {f.steps:,} steps "
           f"({per_step:.3g} s each) on {f.devices} device(s){money}", flush=True)
-    (plan.run_dir / "forecast.json").write_text(json.dumps({"started_at": time.time(), "seconds_per_step": per_step,
+    (plan.run_dir / "forecast.json").write_text(json.dumps({"started_at": time.time(), "seconds_per_step": per_step, "startup_s": startup,
                                                             **f.as_dict()}, indent=2))
 
 

@@ -9,8 +9,14 @@ hostfile the hardware preset asks for are there.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from rlhf.config import Config, ConfigError, looks_local
+
+
+def extensions_root() -> Path:
+    """Where torch keeps the ops DeepSpeed compiles on first use (CPU Adam, the CPU shared-memory collective)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
 
 
 def hub_unreachable(repo_id: str) -> str | None:

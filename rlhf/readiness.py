@@ -29,6 +29,22 @@ RULE_REWARD_FIX = ("pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_mo
 POLICY_CHECK_SAMPLES = 4
 
 
+# Held-out greedy answers cut at the budget above this share make an accuracy that measures the budget.
+CUT_ANSWERS = 0.5
+
+
+def cut_answers(final: dict, budget: int | None, key: str = "step.max_new_tokens") -> str | None:
+    """What a step's held-out accuracy is worth when most of its greedy answers ran into the generation
+    budget without ending (eval/truncated_frac): the rule judged them cut, before their final answer."""
+    cut = max((v for k, v in final.items() if k.endswith("truncated_frac") and not k.endswith("_before")
+               and k.startswith(("eval/", "select/"))), default=None)
+    if cut is None or cut <= CUT_ANSWERS or budget is None:
+        return None
+    return (f"{cut:.0%} of the held-out greedy answers reached {key}={budget} without ending: the rule judged "
+            f"them cut before their final answer, so the accuracy measures the budget, not the model; raise "
+            f"{key}={2 * budget}")
+
+
 def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) -> str | None:
     """Why the chain's step ``name`` cannot work, judged from the final figures of the steps before it
     in ``chain_dir`` and the chain's floors (``pipe``: its pipeline settings); None if nothing says so.
@@ -97,6 +113,9 @@ def sft_fix(sft: dict, chain_dir: Path) -> str:
     at near-zero accuracy points to a learning rate too high for the task, docs/design-notes.md), or
     its cap on steps or epochs."""
     stopped = str(sft.get("stopped_by", ""))
+    budget = _step_config(chain_dir, "sft").get("step", {}).get("max_new_tokens")
+    if why := cut_answers(sft, budget, "pipeline.sft.step.max_new_tokens"):
+        return "Not the training: " + why
     if "early_stop_patience" in stopped:
         # A start over at the configured rate lowered once (the step's own drops continue a plateaued
         # model and do not replace it).

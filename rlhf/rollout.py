@@ -280,7 +280,8 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, counted = rank_share(prompts, rank, world), first_copies(len(prompts), rank, world)
-    sums = torch.zeros(5, dtype=torch.float64)  # count, rule correct, rm score, length, rm score squared
+    # count, rule correct, rm score, length, rm score squared, answers cut at the budget
+    sums = torch.zeros(6, dtype=torch.float64)
     for i in range(0, len(mine), batch_size):
         batch = left_pad(mine[i:i + batch_size], tokenizer.pad_token_id)
         response = generate(actor, batch, tokenizer, Sampling(max_new_tokens), gathering=gathering)
@@ -289,6 +290,10 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
         k = max(0, min(len(answers), counted - i))  # this batch's rows that are first copies
         sums[0] += k
         sums[3] += rmask[:k].sum().item()
+        # Cut: no end (eos or the template's end of turn) within the budget. A rule reads such an
+        # answer as it is, so a budget shorter than the answers reads as a model that is always wrong.
+        sums[5] += ((response[:k] == tokenizer.eos_token_id).sum(-1) == 0).sum().item() \
+            if response.shape[1] >= max_new_tokens else 0
         rules = [rule_fn(p, a) for p, a in zip(batch["prompts"], answers, strict=True)] if rule_fn else None
         rm = None
         if rules is not None:
@@ -305,7 +310,7 @@ def evaluate(actor, reward, rule_fn, prompts: list[dict], tokenizer, max_new_tok
                         for j, (p, a) in enumerate(zip(batch["prompts"], answers, strict=True))]
     sums = sum_over_ranks(sums)
     n = sums[0].item()
-    out = {"eval/answer_len": sums[3].item() / n}
+    out = {"eval/answer_len": sums[3].item() / n, "eval/truncated_frac": sums[5].item() / n}
     if rule_fn is not None:
         out["eval/accuracy"] = sums[1].item() / n
     if reward is not None:

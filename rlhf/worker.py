@@ -61,25 +61,52 @@ def init_distributed(cfg: Config) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
 
-def quiet_libraries() -> None:
+# Warnings of these kinds raised inside an installed library are about the library's own calls: the
+# run's log file keeps them, the console does not.
+LIBRARY_WARNINGS = (FutureWarning, DeprecationWarning)
+
+
+def quiet_libraries(log_file: Path | None = None) -> None:
     """Keep the console for our own progress lines: no per-file load bars or info chatter, and none of
     the libraries' deprecation notices about their own internal calls (DeepSpeed's collectives,
-    transformers' checkpointing names), which a user can do nothing about."""
+    transformers' checkpointing names), which a user can do nothing about. Those notices go to
+    ``log_file`` (a rank's; in-process runs: Hydra's launch.log of the run), not away: a warning
+    raised from our own code stays on the console, where it gets fixed."""
     import logging
     import warnings
 
     import datasets
     import transformers
 
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*(is_gradient_checkpointing|"
-                            r"gradient_checkpointing_enable|gradient_checkpointing_disable).*")
-
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+    library = logging.getLogger("rlhf.library_warnings")
+    library.setLevel(logging.INFO)
+    if log_file is not None:  # each step of a chain launched once on several ranks: its own folder's file
+        for old in list(library.handlers):
+            library.removeHandler(old)
+            old.close()
+        handler = logging.FileHandler(log_file, delay=True)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        library.addHandler(handler)
+        library.propagate = False  # a rank's console is the launcher's
+    if getattr(warnings.showwarning, "routes_library_warnings", False):
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, LIBRARY_WARNINGS) and f"{os.sep}site-packages{os.sep}" in filename:
+            # INFO: below Hydra's console handler's level, above its launch.log handler's.
+            library.info(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.routes_library_warnings = True
+    warnings.showwarning = show
 
 
 def seed_everything(seed: int) -> None:
@@ -105,7 +132,9 @@ def clear_stale_build_locks(max_age_s: float = 900) -> None:
     most, so a lock older than ``max_age_s`` is stale."""
     import time
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    from rlhf.probes import extensions_root
+
+    root = extensions_root()
     for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
         try:
             age = time.time() - lock.stat().st_mtime
@@ -120,7 +149,8 @@ def clear_stale_build_locks(max_age_s: float = 900) -> None:
 def main(cfg: Config) -> dict:
     from rlhf.runners import RUNNERS
 
-    quiet_libraries()
+    quiet_libraries(Path(cfg.run_dir) / f"warnings.rank{int(os.environ.get('RANK', 0))}.log"
+                    if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None)
     clear_stale_build_locks()
     build_shared_artifacts(cfg)
     init_distributed(cfg)

@@ -1,7 +1,8 @@
 """One process of tests/test_rollout_share.py: greedy evaluation (rlhf.rollout.evaluate, a real
 DeepSpeed engine) of 3 prompts on 2 ranks, where the second rank's share wraps round to the first
 prompt. The rule scores the prompt alone (1 for "p0"), so the right figure is 1/3 whatever the
-answers; rank 0 writes the figures to OUT as JSON.
+answers; then again with a head that never ends an answer (every one cut at the budget). Rank 0
+writes both evaluations' figures to OUT as JSON.
 
     python -m deepspeed.launcher.runner --num_gpus 2 --no_local_rank --master_port PORT tests/eval_share_worker.py \
         MODEL_DIR OUT
@@ -32,11 +33,19 @@ def main(path: str, out: str) -> None:
     tokenizer.padding_side = "left"
     actor, _ = engine_factory.build_frozen_engine(models.load_causal_lm(path, tokenizer), cfg)
     prompts = rollout.prompt_dataset([{"prompt": p} for p in ("p0", "p1", "p2")], tokenizer, 16, DataReport(), "eval")
-    figures = rollout.evaluate(actor, None, lambda prompt, answer: float(prompt == "p0"), prompts, tokenizer,
-                               max_new_tokens=2, batch_size=4)
+    def figures() -> dict[str, float]:
+        return rollout.evaluate(actor, None, lambda prompt, answer: float(prompt == "p0"), prompts, tokenizer,
+                                max_new_tokens=2, batch_size=4)
+
+    found = {"plain": figures()}
+    # The eos row of the head zeroed: its logit is 0, below the largest of the others' (whose chance of
+    # all being negative is 2^-vocabulary), so no answer ends within the budget.
+    with torch.no_grad():
+        actor.module.get_output_embeddings().weight[tokenizer.eos_token_id] = 0
+    found["never_ends"] = figures()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump(figures, f)
+            json.dump(found, f)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_a_20_step_sft_draws_its_loss_accuracy_and_lr_panels(two_sft_runs):
     a, _ = two_sft_runs
     assert (a / "curves.png").stat().st_size > 10_000
     fig = curves.draw(a)
-    assert titles(fig) == ["loss", "accuracy by the rule", "answer length (tokens)", "learning rate"]
+    assert titles(fig) == ["loss", "accuracy by the rule", "answer length (tokens)", "truncated fraction", "learning rate"]
     loss = fig.axes[0]
     assert [line.get_label() for line in loss.get_lines()] == ["train", "held-out"]
     train = loss.get_lines()[0]

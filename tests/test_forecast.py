@@ -207,3 +207,27 @@ def test_hub_data_is_forecast_from_its_dataset_cards_published_rows():
     assert forecast.step_rows(cfg)[0] == int(61_135 * 0.2)
     cfg.data.sources[0].train_split = "train_gen"
     assert forecast.step_rows(cfg) == (0, "hub data: set launch.forecast_rows to the blend's train rows")
+
+
+def test_a_launch_of_several_ranks_counts_its_start_up_and_the_ops_this_machine_has_not_compiled(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    rates = forecast.Rates(flops=1e12, memory=1e12, link=1e9, layer_overhead_s=0.0)
+
+    def start_up(*overrides: str) -> float:
+        found = forecast.forecast(to_schema(compose(["step=sft", "step.max_steps=10", *overrides])), part_rows=1000,
+                                  rates=rates)
+        return found.phases.get("start-up", 0.0)
+
+    assert start_up("hardware=cpu") == 0.0  # in-process, and one CPU rank compiles no op
+    # Two CPU ranks: the launch, and the shared-memory all-reduce compiled on this machine's first such run.
+    assert start_up("hardware=cpu-2rank") == forecast.LAUNCH_S + forecast.OP_BUILD_S
+    built = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built.parent.mkdir(parents=True)
+    built.touch()
+    assert start_up("hardware=cpu-2rank") == forecast.LAUNCH_S
+    assert start_up("hardware=cpu-2rank", "zero=2-offload") == forecast.LAUNCH_S + forecast.OP_BUILD_S  # CPU-Adam
+    # A GPU preset's machine is not this one: the launch is counted, its build cache is not guessed.
+    gpu = forecast.forecast(to_schema(compose(["step=sft", "hardware=8xa100-80g", "zero=2-offload",
+                                               "step.max_steps=10"])), part_rows=1000, rates=rates)
+    assert gpu.phases["start-up"] == forecast.LAUNCH_S and any("cpu_adam" in n for n in gpu.notes)

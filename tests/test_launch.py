@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 
@@ -160,6 +162,8 @@ def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedu
                    "checkpoint.keep_last=5", f"actor.path={tmp_path / 'sft' / 'model'}", *quiet,
                    f"launch.master_port={_free_port()}", f"run_dir={tmp_path / 'ppo'}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # The libraries' deprecation notices about their own calls go to each rank's log file, not here.
+    assert "FutureWarning" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     final = json.loads((tmp_path / "ppo" / "final_metrics.json").read_text())
     assert final["step"] == 3 and final["reference_weight_change"] == 0.0 and final["actor_weight_change"] > 0
     rows = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl") if "policy_loss" in line]
@@ -333,3 +337,26 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, 
     clear_stale_build_locks()
     assert not stale.exists() and fresh.exists(), "a build running now keeps its lock"
     assert "removed a stale build lock" in capsys.readouterr().err
+
+
+def test_library_deprecation_notices_go_to_the_run_log_and_our_own_warnings_to_the_console(tmp_path, monkeypatch):
+    import warnings
+
+    from rlhf.worker import quiet_libraries
+
+    console = []  # what the console's showwarning is handed
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *rest, **kw: console.append(str(message)))
+    log = tmp_path / "warnings.rank0.log"
+    quiet_libraries(log)
+    library = os.path.join(os.sep, "venv", "lib", "site-packages", "torch", "distributed", "c10d.py")
+    ours = os.path.join(os.sep, "work", "rlhf", "runners", "sft.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("torch.distributed.reduce_op is deprecated", FutureWarning, library, 7)
+        warnings.warn_explicit("our own deprecation", FutureWarning, ours, 9)
+    library_log = logging.getLogger("rlhf.library_warnings")
+    for handler in list(library_log.handlers):
+        handler.close()
+        library_log.removeHandler(handler)
+    assert "reduce_op is deprecated" in log.read_text() and console == ["our own deprecation"]
+    assert "our own" not in log.read_text()

@@ -51,6 +51,16 @@ def test_a_policy_too_weak_for_ppo_is_refused_right_after_sft_with_the_fix_for_w
     assert weak_step(PIPE, "reward", STEP, tmp_path, steps) is None
 
 
+def test_an_sft_whose_held_out_answers_hit_the_budget_is_blamed_on_the_budget_not_on_its_training(tmp_path):
+    _sft(tmp_path, "the cap step.epochs=8", step={"epochs": 8, "max_steps": -1, "max_new_tokens": 8})
+    final = json.loads((tmp_path / "sft" / "final_metrics.json").read_text())
+    (tmp_path / "sft" / "final_metrics.json").write_text(json.dumps({**final, "eval/truncated_frac": 1.0,
+                                                                    "eval/truncated_frac_before": 1.0}))
+    why = weak_step(PIPE, "reward", STEP, tmp_path, ["sft", "reward", "ppo"])
+    assert "100% of the held-out greedy answers reached pipeline.sft.step.max_new_tokens=8 without ending" in why
+    assert why.endswith("raise pipeline.sft.step.max_new_tokens=16") and "epochs=16" not in why, why
+
+
 def test_a_chain_whose_ppo_is_rewarded_by_the_rule_alone_trains_no_reward_model(tmp_path):
     overrides = ["pipeline=e2e", "logging.progress_bar=false", "data.max_eval_samples=64", f"run_dir={tmp_path}",
                  "pipeline.sft.step.max_steps=5", "pipeline.ppo.step.max_steps=1",

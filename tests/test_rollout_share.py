@@ -25,7 +25,7 @@ def test_the_first_copies_of_the_ranks_shares_are_each_item_once(n, world):
     assert counted == items
 
 
-def test_greedy_accuracy_on_two_ranks_counts_the_wrapped_round_prompt_once(tmp_path):
+def test_greedy_accuracy_and_cut_answers_on_two_ranks_count_the_wrapped_round_prompt_once(tmp_path):
     # 3 prompts on 2 ranks: shares [p0, p1] and [p2, p0]. Right for p0 alone: 1/3, not 2/4.
     out = tmp_path / "figures.json"
     model = models.resolve_path(to_schema(compose(["step=ppo", "model=tiny-llama"])).model)  # built once, here
@@ -35,4 +35,7 @@ def test_greedy_accuracy_on_two_ranks_counts_the_wrapped_round_prompt_once(tmp_p
                            cwd=tmp_path, capture_output=True, text=True, env=clean_env(PYTHONPATH=str(ROOT)),
                            timeout=600)
     assert ranks.returncode == 0, (ranks.stdout + ranks.stderr)[-3000:]
-    assert json.loads(out.read_text())["eval/accuracy"] == pytest.approx(1 / 3)
+    found = json.loads(out.read_text())
+    assert found["plain"]["eval/accuracy"] == pytest.approx(1 / 3)
+    assert found["never_ends"]["eval/accuracy"] == pytest.approx(1 / 3)
+    assert found["never_ends"]["eval/truncated_frac"] == 1.0  # each prompt counted once, every answer cut

@@ -18,6 +18,7 @@ from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data.tokenize import packed_row_lengths
 from rlhf.logging import MetricsLogger, peak_memory_gb, train_flops
+from rlhf.readiness import cut_answers
 
 
 def train_loader(ds, cfg: Config, rank: int, world: int, collate) -> tuple[DataLoader, DistributedSampler]:
@@ -237,11 +238,14 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
         # Forecast and actual side by side: the forecast at the steps this run took (a readiness rule
         # may stop it before its cap), the actual since the launch that finished it.
         f = json.loads(planned.read_text())
-        final.update(forecast_s=round(f["seconds_per_step"] * step, 1), actual_s=round(time.time() - f["started_at"], 1))
+        final.update(forecast_s=round(f.get("startup_s", 0.0) + f["seconds_per_step"] * step, 1), actual_s=round(time.time() - f["started_at"], 1))
     # Every step's final figures say what ended it: a readiness rule's reason, else its cap.
     final["stopped_by"] = stopped_by or cap_reason(cfg, step)
     if stopped_by and not stopped_by.startswith("the cap ") and rank == 0:
         say(f"[{cfg.step.name}] stopped at step {step} by {stopped_by}")
+    if (why := cut_answers(final, cfg.step.max_new_tokens if hasattr(cfg.step, "max_new_tokens") else None)) \
+            and rank == 0:
+        say(f"[{cfg.step.name}] WARNING {why}")
     if cfg.step.save_model:
         save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         final["model_dir"] = str(run_dir / "model")
