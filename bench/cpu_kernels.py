@@ -13,7 +13,7 @@
   key/value heads x 64 dims (Llama 3's grouping), fp32, with a padding mask: ``enable_gqa=True``
   against the fold, and the largest difference of their outputs.
 
-- Chunked log-prob backward: the log-prob functions (rlhf/losses.py) walk time-sliced logits
+- Chunked log-prob backward: the log-prob functions (rlhf/losses/tokens.py) walk time-sliced logits
   (``logits[:, :-1]``, [32, 32, 50272] fp32, OPT's vocabulary) sequence by sequence on CPU. Times
   forward and backward of ``token_logprobs`` chunked against one pass over the whole tensor, and the
   largest difference of their gradients.
@@ -94,15 +94,15 @@ def logprob_backward(chunked: bool) -> tuple[float, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(32, 33, 50272, generator=gen).requires_grad_()
     tokens = torch.randint(0, 50272, (32, 32), generator=gen)
-    saved = losses.LOGPROB_CHUNK_BYTES
+    saved = losses.tokens.LOGPROB_CHUNK_BYTES
 
     def call():
         full.grad = None
-        losses.LOGPROB_CHUNK_BYTES = saved if chunked else 1 << 40
+        losses.tokens.LOGPROB_CHUNK_BYTES = saved if chunked else 1 << 40
         try:
             losses.token_logprobs(full[:, :-1], tokens).sum().backward()
         finally:
-            losses.LOGPROB_CHUNK_BYTES = saved
+            losses.tokens.LOGPROB_CHUNK_BYTES = saved
     return best_us(call, 1), (call(), full.grad.clone())[1]
 
 

@@ -579,7 +579,7 @@ def test_log_probs_and_entropy_in_row_chunks_equal_one_pass_over_the_whole_tenso
         return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * safe).sum(-1)
 
     for chunk_rows in (1, 4, 100):  # one row, a chunk size that leaves a remainder, one chunk
-        monkeypatch.setattr(losses, "LOGPROB_CHUNK_BYTES", 4 * 11 * chunk_rows)
+        monkeypatch.setattr(losses.tokens, "LOGPROB_CHUNK_BYTES", 4 * 11 * chunk_rows)
         for temperature, sliced in ((1.0, False), (0.7, False), (0.7, True)):
             # sliced: logits[:, :-1] of a longer sequence, as DPO's log-probs take them (not contiguous)
             a, b = (torch.cat([logits, logits[:, :1]], 1).requires_grad_() if sliced else

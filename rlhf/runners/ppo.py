@@ -13,7 +13,7 @@ runs ppo_epochs of clipped policy (and value) updates. The parts live beside thi
     ppo_update      the policy and value losses over micro-batches
     ppo_judge       evaluations, best actor, warnings, start check (a callback the run calls)
 
-The RL math is in rlhf/losses.py.
+The RL math is in rlhf/losses/ (advantages.py, policy.py, tokens.py).
 
     python launch.py step=ppo actor.path=<sft out>/model critic.path=<reward out>/model
     python launch.py step=ppo step.advantage_estimator=rloo step.samples_per_prompt=4 actor.path=... critic.path=...
