@@ -1,4 +1,4 @@
-"""The time and cost forecast (rlhf/forecast.py): FLOPs and ZeRO traffic against hand-worked numbers,
+"""The time and cost forecast (rlhf/forecast/): FLOPs and ZeRO traffic against hand-worked numbers,
 phases that add up, a preset without a price, and figures that do not depend on the machine."""
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class HardwareConfig:
     torch_threads: int = 1
     # Collective backend: gloo on CPU, nccl on NVIDIA GPUs.
     dist_backend: str = "gloo"
-    # For the time and cost forecast (rlhf/forecast.py), datasheet figures of one device: dense
+    # For the time and cost forecast (rlhf/forecast/), datasheet figures of one device: dense
     # matrix-product peak at hardware.precision in TFLOP/s (0 on CPU: measured at start-up), memory
     # bandwidth in GB/s, collective bandwidth to the other devices of its node per direction in GB/s,
     # and the network bandwidth of a whole node in GB/s.
