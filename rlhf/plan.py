@@ -149,7 +149,9 @@ def shaped_as_built(schema: Config, will_exist: dict[str, ModelConfig]) -> Confi
     its start's architecture), so a GGUF or hub model with no numbers in conf/model is sized from its
     own metadata at every step of the chain, not only the first."""
     def built(path: str) -> ModelConfig | None:
-        return will_exist.get(path) if path and not os.path.exists(os.path.expanduser(path)) else None
+        # A random model's output is sized by its conf/model numbers, which the step's own config holds.
+        m = will_exist.get(path) if path and not os.path.exists(os.path.expanduser(path)) else None
+        return m if m is not None and m.path else None
 
     sizing = copy.copy(schema)
     if (m := built(schema.model.path)) is not None:

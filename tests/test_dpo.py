@@ -52,6 +52,34 @@ def test_dpo_learns_the_preferences_and_saves_a_causal_lm(tmp_path, record_prope
     assert set(json.loads((tmp_path / "ds_config.json").read_text())) == {"actor", "reference"}
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("max_steps", [5, 17])  # within the first epoch; into the third
+def test_the_precomputed_reference_covers_exactly_the_rows_the_training_loop_reads(world, max_steps):
+    from datasets import Dataset
+
+    from rlhf.runners import common
+    from rlhf.runners.preference import visited_rows
+
+    ds = Dataset.from_dict({"i": list(range(103))})
+    cfg = to_schema(compose(["step=dpo", "step.micro_batch_size_per_device=4", "step.gradient_accumulation_steps=2",
+                             "step.epochs=3", f"step.max_steps={max_steps}", "seed=5"]))
+    read = set()
+    for rank in range(world):  # each rank's loader, epoch by epoch as the loop sets it, for the run's steps
+        loader, sampler = common.train_loader(ds, cfg, rank, world, lambda rows: [r["i"] for r in rows])
+        steps = common.plan_steps(cfg, len(loader), len(ds))
+        micro = steps * cfg.step.gradient_accumulation_steps
+        for epoch in range(cfg.step.epochs):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                if micro == 0:
+                    break
+                read.update(batch)
+                micro -= 1
+    assert steps == max_steps and visited_rows(ds, cfg, world, steps) == sorted(read)
+    if max_steps == 5:  # a capped run reads 5 steps of 8 rows per rank, not the set
+        assert len(read) == 5 * 8 * world
+
+
 def test_precomputed_and_online_reference_give_the_same_run(tmp_path, sft_model):
     args = [*DPO_FAST, "step.max_steps=5", "step.log_every_steps=1", "step.eval_accuracy_prompts=0",
             "data.max_train_samples=320", f"actor.path={sft_model}"]

@@ -54,6 +54,10 @@ def scored(engine, ref, batch: dict, step_cfg) -> losses.PreferenceResult:
     ref_logp = None
     if "ref_chosen" in batch:
         ref_logp = torch.cat([batch["ref_chosen"], batch["ref_rejected"]])
+        if torch.isnan(ref_logp).any():
+            raise RuntimeError("a train row without its precomputed reference log-probs: they were computed for the "
+                               "rows this run's settings read (step.max_steps, the batch, the seed), and these changed; "
+                               "run with step.reference_logprobs=online, or start over (resume=never)")
     elif ref is not None:
         with torch.no_grad():
             ref_logp = pair_logprobs(ref, batch)
@@ -63,14 +67,33 @@ def scored(engine, ref, batch: dict, step_cfg) -> losses.PreferenceResult:
     return losses.PREFERENCE_LOSSES[spec.loss](pb, step_cfg)
 
 
+def visited_rows(ds, cfg: Config, world: int, steps: int) -> list[int]:
+    """The train rows ``steps`` optimizer steps read, over every rank: each rank's shuffled order per
+    epoch (common.train_loader's sampler, set to the epoch as the loop sets it), micro batch after micro
+    batch across epochs (DeepSpeed counts accumulation over the run, not per epoch), as far as the steps
+    go. A run capped by step.max_steps reads a fraction of a large preference set."""
+    micro = cfg.step.micro_batch_size_per_device
+    seen: set[int] = set()
+    for rank in range(world):
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+        per_epoch, left, epoch = len(sampler) // micro, steps * cfg.step.gradient_accumulation_steps, 0
+        while left > 0 and per_epoch > 0:
+            sampler.set_epoch(epoch)
+            seen.update(list(sampler)[: min(left, per_epoch) * micro])
+            left, epoch = left - per_epoch, epoch + 1
+    return sorted(seen)
+
+
 @torch.no_grad()
-def precompute_reference(ref, ds, collate, batch_size: int):
+def precompute_reference(ref, ds, collate, batch_size: int, rows: list[int] | None = None):
     """ds with the reference's summed log-probs of each row's two answers as columns ref_chosen /
-    ref_rejected. Each rank scores its share; the shares are gathered so that every rank holds all."""
+    ref_rejected, for ``rows`` (default: all; the others get NaN, which scored() refuses to train on).
+    Each rank scores its share; the shares are gathered so that every rank holds all."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref.eval()
+    rows = list(range(len(ds))) if rows is None else rows
     # No shuffle: the share is a fixed slice; padded to equal length (ZeRO-3 ranks must run alike).
-    mine = list(DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
+    mine = [rows[i] for i in DistributedSampler(rows, num_replicas=world, rank=rank, shuffle=False)]
     found: dict[int, tuple[float, float]] = {}
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
@@ -80,8 +103,9 @@ def precompute_reference(ref, ds, collate, batch_size: int):
     shares = [None] * world
     dist.all_gather_object(shares, found)
     merged = {k: v for share in shares for k, v in share.items()}
-    return ds.add_column("ref_chosen", [merged[i][0] for i in range(len(ds))]).add_column(
-        "ref_rejected", [merged[i][1] for i in range(len(ds))])
+    nan = (float("nan"), float("nan"))
+    return ds.add_column("ref_chosen", [merged.get(i, nan)[0] for i in range(len(ds))]).add_column(
+        "ref_rejected", [merged.get(i, nan)[1] for i in range(len(ds))])
 
 
 def evaluate(engine, ref, loader, step_cfg) -> dict[str, float]:
@@ -153,15 +177,21 @@ def run(cfg: Config) -> dict:
             ref_model = models.load_causal_lm(model_path, tokenizer, engine_factory.model_dtype(cfg), 0.0,
                                               cfg.model.trust_remote_code)
         ref, ref_ds = engine_factory.build_frozen_engine(ref_model, cfg, offload=step_cfg.offload_reference)
-        if step_cfg.reference_logprobs == "precompute":
-            # One pass over every row, then the reference is gone: training holds one model.
-            train_ds, eval_ds = (precompute_reference(ref, ds, collate, step_cfg.eval_micro_batch_size_per_device)
-                                 for ds in (train_ds, eval_ds))
-            del ref, ref_model
-            ref = None
     loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
-    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
     total_steps = common.plan_steps(cfg, len(loader), len(train_ds))
+    if ref is not None and step_cfg.reference_logprobs == "precompute":
+        # One pass over the rows the run reads (not the whole set when step.max_steps caps it), then
+        # the reference is gone: training holds one model.
+        batch, read = step_cfg.eval_micro_batch_size_per_device, visited_rows(train_ds, cfg, world, total_steps)
+        if rank == 0:
+            common.say(f"[{step_cfg.name}] the reference's log-probs of the {len(read)} of {len(train_ds)} train rows "
+                       f"that {total_steps} optimizer steps read, then the reference is freed")
+        train_ds = precompute_reference(ref, train_ds, collate, batch, read)
+        eval_ds = precompute_reference(ref, eval_ds, collate, batch)
+        loader, sampler = common.train_loader(train_ds, cfg, rank, world, collate)
+        del ref, ref_model
+        ref = None
+    evaluation = common.eval_loader(eval_ds, cfg, rank, world, collate)
 
     # The reference is scored without dropout (eval mode); so is the policy unless step.disable_dropout=false.
     engine, n_params, ckpt = common.train_engine(cfg, models.load_causal_lm, model_path, tokenizer, total_steps, "actor",
