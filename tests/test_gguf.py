@@ -9,6 +9,7 @@ where transformers cannot read it, and trained by every step. Its chat template'
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,10 +44,10 @@ def test_sizes_come_from_the_metadata_without_converting(gguf_path, rlhf_cache):
 def test_the_converted_folder_gives_transformers_own_logits_and_tokens_and_is_made_once(gguf_path):
     cfg = ModelConfig(name="tiny-gguf", path=str(gguf_path))
     folder = models.resolve_path(cfg)
-    assert json.loads((models.Path(folder) / "source.json").read_text())["gguf"] == str(gguf_path)
-    made = (models.Path(folder) / "model.safetensors").stat().st_mtime_ns
+    assert json.loads((Path(folder) / "source.json").read_text())["gguf"] == str(gguf_path)
+    made = (Path(folder) / "model.safetensors").stat().st_mtime_ns
     assert models.resolve_path(cfg) == folder  # cached by content: no second conversion
-    assert (models.Path(folder) / "model.safetensors").stat().st_mtime_ns == made
+    assert (Path(folder) / "model.safetensors").stat().st_mtime_ns == made
     # The folder form (model.path=<folder> model.gguf_file=<name>) is the same model.
     assert models.resolve_path(ModelConfig(name="t", path=str(gguf_path.parent), gguf_file=gguf_path.name)) == folder
 
