@@ -62,7 +62,9 @@ def test_experiment_trains_every_step_at_tiny_scale(name, tmp_path):
             want = {k: v for k, v in OmegaConf.to_container(expected[section]).items() if k not in CHANGED}
             got = {k: v for k, v in OmegaConf.to_container(ran[section]).items() if k not in CHANGED}
             assert got == want, f"{name} {step}: {section} differs"
-        assert ran.model.family == expected.model.family and ran.model.random_init
+        # The swapped-in random model, or (reward_from_sft) the output of the chain's step before.
+        assert ran.model.family == expected.model.family
+        assert ran.model.random_init or ran.model.path.startswith(str(tmp_path)), ran.model.path
         world = ran.hardware.devices_per_node
         assert world == (2 if chain.hardware.nodes * chain.hardware.devices_per_node > 1 else 1)
         ds = json.loads((step_dir / "ds_config.json").read_text())
