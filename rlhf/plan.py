@@ -138,9 +138,14 @@ def build_plan(schema: Config, run_dir: Path, will_exist: dict[str, ModelConfig]
 def _not_yet(schema: Config, key: str, will_exist: dict) -> str:
     group, field = key.split(".")
     path = getattr(getattr(schema, group), field) if field == "path" else ""
-    if path in will_exist and not os.path.exists(os.path.expanduser(path)):
+    if _written_later(path, will_exist) is not None:
         return f" (as {key}={path}, which an earlier step of the chain writes with this architecture)"
     return ""
+
+
+def _written_later(path: str, will_exist: dict[str, ModelConfig]) -> ModelConfig | None:
+    """The model an earlier step trains into ``path``, where that step has not written it yet."""
+    return will_exist.get(path) if path and not os.path.exists(os.path.expanduser(path)) else None
 
 
 def shaped_as_built(schema: Config, will_exist: dict[str, ModelConfig]) -> Config:
@@ -150,7 +155,7 @@ def shaped_as_built(schema: Config, will_exist: dict[str, ModelConfig]) -> Confi
     own metadata at every step of the chain, not only the first."""
     def built(path: str) -> ModelConfig | None:
         # A random model's output is sized by its conf/model numbers, which the step's own config holds.
-        m = will_exist.get(path) if path and not os.path.exists(os.path.expanduser(path)) else None
+        m = _written_later(path, will_exist)
         return m if m is not None and m.path else None
 
     sizing = copy.copy(schema)

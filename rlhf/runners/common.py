@@ -21,8 +21,13 @@ from rlhf.logging import MetricsLogger, peak_memory_gb, train_flops
 from rlhf.readiness import cut_answers
 
 
+def train_sampler(ds, cfg: Config, rank: int, world: int) -> DistributedSampler:
+    """Rank ``rank``'s shuffled share of the train rows (set to each epoch by the loop)."""
+    return DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+
+
 def train_loader(ds, cfg: Config, rank: int, world: int, collate) -> tuple[DataLoader, DistributedSampler]:
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler = train_sampler(ds, cfg, rank, world)
     loader = DataLoader(ds, batch_size=cfg.step.micro_batch_size_per_device, sampler=sampler, collate_fn=collate,
                         drop_last=True)
     return loader, sampler

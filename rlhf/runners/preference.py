@@ -75,7 +75,7 @@ def visited_rows(ds, cfg: Config, world: int, steps: int) -> list[int]:
     micro = cfg.step.micro_batch_size_per_device
     seen: set[int] = set()
     for rank in range(world):
-        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+        sampler = common.train_sampler(ds, cfg, rank, world)
         per_epoch, left, epoch = len(sampler) // micro, steps * cfg.step.gradient_accumulation_steps, 0
         while left > 0 and per_epoch > 0:
             sampler.set_epoch(epoch)
