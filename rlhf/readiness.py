@@ -35,14 +35,18 @@ CUT_ANSWERS = 0.5
 
 def cut_answers(final: dict, budget: int | None, key: str = "step.max_new_tokens") -> str | None:
     """What a step's held-out accuracy is worth when most of its greedy answers ran into the generation
-    budget without ending (eval/truncated_frac): the rule judged them cut, before their final answer."""
+    budget without ending (eval/truncated_frac): the rule judged them cut, before their final answer.
+    Not said of a step its loss plateau stopped: that model did not learn the answers, long or short,
+    and a larger budget only lengthens what it gets wrong (its stop names the likely cause). The budget
+    is named without its value in ``key=value`` form: that form is a printed fix, and following it
+    would change nothing."""
     cut = max((v for k, v in final.items() if k.endswith("truncated_frac") and not k.endswith("_before")
                and k.startswith(("eval/", "select/"))), default=None)
-    if cut is None or cut <= CUT_ANSWERS or budget is None:
+    if cut is None or cut <= CUT_ANSWERS or budget is None or "early_stop_patience" in str(final.get("stopped_by", "")):
         return None
-    return (f"{cut:.0%} of the held-out greedy answers reached {key}={budget} without ending: the rule judged "
-            f"them cut before their final answer, so the accuracy measures the budget, not the model; raise "
-            f"{key}={2 * budget}")
+    return (f"{cut:.0%} of the held-out greedy answers reached the budget {key} ({budget} tokens) without ending: "
+            f"the rule judged them cut before their final answer, so the accuracy measures the budget, not the "
+            f"model; raise {key}={2 * budget}")
 
 
 def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) -> str | None:

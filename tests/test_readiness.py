@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from rlhf.launch import run
 from rlhf.pipeline import skip_unused
-from rlhf.readiness import weak_step
+from rlhf.readiness import printed_fixes, weak_step
 
 PIPE = OmegaConf.create({"reward_min_accuracy": 0.95, "min_policy_accuracy": 0.02, "sft_loss_still_falling": 0,
                          "sft_beyond_constant": False})
@@ -57,8 +57,19 @@ def test_an_sft_whose_held_out_answers_hit_the_budget_is_blamed_on_the_budget_no
     (tmp_path / "sft" / "final_metrics.json").write_text(json.dumps({**final, "eval/truncated_frac": 1.0,
                                                                     "eval/truncated_frac_before": 1.0}))
     why = weak_step(PIPE, "reward", STEP, tmp_path, ["sft", "reward", "ppo"])
-    assert "100% of the held-out greedy answers reached pipeline.sft.step.max_new_tokens=8 without ending" in why
+    assert "100% of the held-out greedy answers reached the budget pipeline.sft.step.max_new_tokens (8 tokens) without ending" in why
     assert why.endswith("raise pipeline.sft.step.max_new_tokens=16") and "epochs=16" not in why, why
+    # The fix a user copies is the raise: the budget's present value is not printed as an override.
+    assert printed_fixes(why)[0] == ["pipeline.sft.step.max_new_tokens=16"], printed_fixes(why)
+    # SFT stopped on its loss plateau did not learn the answers: a larger budget only lengthens what it
+    # gets wrong, and the fix is the lower rate its stop names.
+    _sft(tmp_path, "eval/loss did not beat its best (4.48, step 20) for 2 evaluations (step.early_stop_patience)",
+         optim={"lr": 0.3}, step={"epochs": 8, "max_steps": 150, "max_new_tokens": 8})
+    final = json.loads((tmp_path / "sft" / "final_metrics.json").read_text())
+    (tmp_path / "sft" / "final_metrics.json").write_text(json.dumps({**final, "eval/truncated_frac": 1.0}))
+    why = weak_step(PIPE, "reward", STEP, tmp_path, ["sft", "reward", "ppo"])
+    assert printed_fixes(why)[0] == ["pipeline.sft.optim.lr=0.1", "pipeline.sft.step.early_stop_patience=0"] \
+        and "max_new_tokens" not in why, why
 
 
 def test_a_chain_whose_ppo_is_rewarded_by_the_rule_alone_trains_no_reward_model(tmp_path):
