@@ -27,8 +27,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from rlhf import sweep
-    from rlhf.launch import run
+    from rlhf.launch import run, sweep
 
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
@@ -72,7 +71,7 @@ def dry_run_verdict(final: dict, run_dir: Path, step: str, overrides: list[str],
     """The dry-run's last line: would the real run start? A run that would be refused or would not fit
     exits 2, so that scripts and sweeps do not take the printout for a yes. In a sweep each job's
     verdict goes to the results table (status dry-run) and the sweep exits 2 at the end."""
-    from rlhf import sweep
+    from rlhf.launch import sweep
 
     refused = final.get("refused", [])
     line = ("dry-run: the real run would be refused: " + "; ".join(refused) if refused

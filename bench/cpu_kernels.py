@@ -4,11 +4,11 @@
   model's parameter shapes (5.3M fp32 parameters) for the for-loop, foreach and fused
   implementations, and the largest difference of fused's weights from foreach's after the steps.
 - One-query attention: on CPU the decode loop keeps a bf16 model's KV cache and attention in fp32
-  (rlhf/decode.py). Times ``scaled_dot_product_attention`` of one new token over 65 and 128 cached
+  (rlhf/generation/decode.py). Times ``scaled_dot_product_attention`` of one new token over 65 and 128 cached
   keys (4 rows x 8 heads x 32 dims, the PPO bench's shapes) over slices of a preallocated cache, in
   bf16 and in fp32 (the query cast included).
 - Grouped-query attention of one new token: the decode loop folds the query heads that share a
-  key/value head into that head's query rows (rlhf/decode.py ``_Cache.attend``). Times
+  key/value head into that head's query rows (rlhf/generation/decode.py ``_Cache.attend``). Times
   ``scaled_dot_product_attention`` of one token over 320 cached keys, 16 rows x 32 query heads over 8
   key/value heads x 64 dims (Llama 3's grouping), fp32, with a padding mask: ``enable_gqa=True``
   against the fold, and the largest difference of their outputs.
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     out = {"cpu_bf16": cpu_bf16(), "threads": args.threads, "adamw_params": sum(
         torch.Size(s).numel() for s in SHAPES)}

@@ -1,4 +1,4 @@
-"""Rollout generation speed: the framework's decode loop (rlhf/decode.py) against Hugging Face
+"""Rollout generation speed: the framework's decode loop (rlhf/generation/decode.py) against Hugging Face
 ``generate``, same model, same left-padded batch, both sampling the full distribution at temperature
 0.7 (PPO's rollouts: no top-k, no top-p), eos suppressed so both make exactly --new tokens;
 alternating, median of --repeats each, one process. ``full_over_top50`` is our loop's time sampling
@@ -8,7 +8,7 @@ is the part of our loop's time that sampling costs over greedy argmax (DeepSpeed
 are greedy), so that a comparison with a greedy peer can be read like for like.
 ``static_over_default`` is the static step's time (``step.decode_graph``, which on a GPU is
 recorded as a CUDA graph; here it runs eagerly, each token attending over the cache up to the end of
-its span, rlhf.decode.STATIC_SPAN) over the default loop's; ``static_spans_over_whole`` is its time
+its span, rlhf.generation.decode.STATIC_SPAN) over the default loop's; ``static_spans_over_whole`` is its time
 over the same step attending over the whole cache from the first token (STATIC_SPAN = 0).
 
 Models: the PPO bench's random OPT (hidden 256, 4 layers, vocab 8192; bench/ppo_step.py) and the
@@ -24,9 +24,9 @@ is what ours spends on top of them (attention, norms, sampling, Python). Where t
 under 2 the products stream the weights from memory every token and generate's overhead is too
 small a share for any loop to halve its time.
 
-``--families``: instead, one line per Hugging Face family (rlhf.families' tiny random models, hidden
+``--families``: instead, one line per Hugging Face family (rlhf.models.families' tiny random models, hidden
 64, 2 layers, grouped-query attention where the family has it): our loop against ``generate``, and
-``path`` says whether ours ran our family forward (rlhf.decode.FORWARDS) or the model's own forward
+``path`` says whether ours ran our family forward (rlhf.generation.decode.FORWARDS) or the model's own forward
 with transformers' cache.
 
     python bench/decode.py
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     ap.add_argument("--families", nargs="*", default=None,
-                    help="tiny random models of these families (rlhf.families.FAMILIES; none named: all)")
+                    help="tiny random models of these families (rlhf.models.families.FAMILIES; none named: all)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -78,7 +78,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     if args.families is not None:
-        from rlhf.families import FAMILIES
+        from rlhf.models.families import FAMILIES
 
         for family in args.families or FAMILIES:
             print(json.dumps(measure_family(family, args)), flush=True)
@@ -92,10 +92,10 @@ def measure(name: str, cfg, args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from rlhf import decode as decode_module
-    from rlhf.decode import decode
+    from rlhf.generation import decode as decode_module
+    from rlhf.generation.decode import decode
     from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     path = resolve_path(cfg.model)
@@ -193,9 +193,9 @@ def measure_family(family: str, args) -> dict:
 
     import torch
 
-    from rlhf.decode import _own_forward, decode
-    from rlhf.families import tiny_family_model
+    from rlhf.generation.decode import _own_forward, decode
     from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.models.families import tiny_family_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     with tempfile.TemporaryDirectory() as tmp:

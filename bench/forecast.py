@@ -1,4 +1,4 @@
-"""The time and cost forecast (rlhf/forecast.py) beside DeepSpeed-Chat's published figures and the
+"""The time and cost forecast (rlhf/preflight/forecast/) beside DeepSpeed-Chat's published figures and the
 project's own GPU measurements, every cell with its ratio. No randomness, no network: the same
 commit prints the same table.
 
@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlhf import forecast, memory  # noqa: E402
 from rlhf.config import compose_config as compose  # noqa: E402
 from rlhf.config import to_schema  # noqa: E402
+from rlhf.preflight import forecast, memory  # noqa: E402
 
 DAY = 24.0
 # Table 1: (actor, hardware preset) -> (hours, dollars or None).

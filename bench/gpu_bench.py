@@ -222,9 +222,10 @@ def phase_sft(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
 
 
 def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str = "ppo") -> dict:
-    from rlhf import memory, models
+    from rlhf import models
     from rlhf.config import compose_config, to_schema
     from rlhf.launch import run
+    from rlhf.preflight import memory
 
     s = ppo_settings(settings, name)
     actor, actor_build_s = build_model(settings["actor"])
@@ -252,7 +253,7 @@ def phase_ppo(settings: dict, out: Path, tiny: bool, extra: list[str], name: str
                   rollouts=s["rollouts"], micro_batch=s["micro"], prompt_tokens=s["prompt"],
                   zero_stage=schema.zero.stage, precision=schema.hardware.precision,
                   old_logprobs=schema.step.old_logprobs, decode_graph=schema.step.decode_graph,
-                  # ZeRO-3's way to generate (rlhf.memory.generation_gathering): 1 whole, t > 1 slices, 0 layer by layer.
+                  # ZeRO-3's way to generate (rlhf.preflight.memory.generation_gathering): 1 whole, t > 1 slices, 0 layer by layer.
                   generation_gathering=memory.generation_gathering(schema),
                   model_build_s=round(actor_build_s + critic_build_s, 1), run_wall_s=round(wall, 1),
                   actor_params_m=round(param_count(actor) / 1e6, 1), critic_params_m=round(param_count(critic) / 1e6, 1),
@@ -267,7 +268,7 @@ def ppo_settings(settings: dict, name: str) -> dict:
 
 
 def step_profile(run_dir: Path) -> dict:
-    """The run's profiled step (logging.profile_step, rlhf.profiling): wall, busy and idle ms, device
+    """The run's profiled step (logging.profile_step, rlhf.observe.profiling): wall, busy and idle ms, device
     time by kernel kind, the costliest kernels."""
     path = run_dir / "profile" / "summary.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -300,7 +301,7 @@ def ppo_figures(run_dir: Path, warmup: int, planned: int) -> dict:
 def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str], spec_key: str = "actor") -> dict:
     """The rollout's decode loop alone on the PPO phase's actor and shapes (eos suppressed, every row
     decodes ``answer`` tokens), in ms per decoding step: the default loop, the static step
-    (``rlhf.decode``'s ``static``: one CUDA graph per attention span, replayed per token) and the
+    (``rlhf.generation.decode``'s ``static``: one CUDA graph per attention span, replayed per token) and the
     same static step attending over the whole cache from the first token (STATIC_SPAN = 0), beside
     the floor the memory bus sets: a decoding step must read every weight and the KV cache up to its
     position once, so at the mean position (prompt + answer / 2) the floor is those bytes over the
@@ -310,10 +311,10 @@ def phase_decode(settings: dict, out: Path, tiny: bool, extra: list[str], spec_k
     where a static step's time goes (``decode_breakdown``)."""
     import torch
 
-    from rlhf import decode as decode_module
     from rlhf import models
-    from rlhf.decode import decode
-    from rlhf.forecast import static_attended
+    from rlhf.generation import decode as decode_module
+    from rlhf.generation.decode import decode
+    from rlhf.preflight.forecast import static_attended
 
     s, spec = settings["decode"], settings[spec_key]
     path, _ = build_model(spec)
@@ -410,17 +411,17 @@ def decode_breakdown(model, ids, mask, answer: int, eos_id: int, device: str) ->
     """Where a static decoding step's time goes, in ms per token: ``forward`` (the step's span graphs
     replayed ``answer`` times with no sampling between; eagerly on CPU), ``graph_recording`` (what the
     decode's first pass pays over that for its warm-up and captures), ``sampler`` (decode's own
-    per-token draw and log-prob, ``rlhf.decode.sample_token``, ``answer`` times on fixed logits); and
-    the forward's device time by kernel kind (``rlhf.profiling.KERNEL_KINDS``) with the costliest kernels, from the
+    per-token draw and log-prob, ``rlhf.generation.decode.sample_token``, ``answer`` times on fixed logits); and
+    the forward's device time by kernel kind (``rlhf.observe.profiling.KERNEL_KINDS``) with the costliest kernels, from the
     profiler over a few eager steps (a replayed graph hides its kernels from the profiler). The
     whole loop's time minus forward and sampler is what neither explains: host gaps, bookkeeping."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rlhf.decode import _own_forward, _StaticSteps, sample_token
+    from rlhf.generation.decode import _own_forward, _StaticSteps, sample_token
+    from rlhf.generation.sampling import Sampling
     from rlhf.losses import token_logprobs
-    from rlhf.profiling import device_times
-    from rlhf.sampling import Sampling
+    from rlhf.observe.profiling import device_times
 
     own = _own_forward(model, ids.shape[1] + answer)
     if own is None:

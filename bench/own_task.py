@@ -23,7 +23,7 @@ JSON line per task and, with several, a markdown table; target: +15 points per t
     python bench/own_task.py --out /tmp/own_task --all --jobs 2 --follow-fix
 
 ``--follow-fix [N]``: when the chain refuses a step, add the first fix its message prints
-(rlhf.readiness.printed_fixes) to the same command, as a user would, and run it again in the same
+(rlhf.chain.readiness.printed_fixes) to the same command, as a user would, and run it again in the same
 run directory (the steps the fix does not touch are reused), at most N times (1 without N); the row
 reports the last run, with the first refusal and the fixes applied.
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlhf.readiness import RUN_ANYWAY, printed_fixes, with_fix  # noqa: E402
+from rlhf.chain.readiness import RUN_ANYWAY, printed_fixes, with_fix  # noqa: E402
 
 RULES = {
     "dedupe": '''"""The dedupe task's rule: 1.0 when the answer lists each letter's first occurrence, in order."""

@@ -8,7 +8,7 @@ DeepSpeed, no runner:
 
 - naive: the way DeepSpeed-Chat's step 3 does it -- HF ``generate``, four full scoring forwards
   (actor, reference, critic, reward), an actor and a critic forward/backward/AdamW step;
-- lean: the runner's work written for speed -- the lean decode loop (rlhf/decode.py) keeping the
+- lean: the runner's work written for speed -- the lean decode loop (rlhf/generation/decode.py) keeping the
   sampler's log-probs (no actor scoring forward, as step.old_logprobs=rollout), scoring forwards that
   run the LM head on the answer positions only (``logits_to_keep``), the same updates.
 
@@ -132,7 +132,7 @@ def main() -> None:
     fastest = {who: min(r[who]["fastest_step_s"] for r in rounds) for who in rounds[0]}
     for who in phases:
         phases[who]["fastest_step_s"] = fastest[who]
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     print(json.dumps({"setting": "opt h256 l4 v8192, 4 prompts x 64 + 64 new tokens, bf16, CPU",
                       "cpu_bf16": cpu_bf16(),  # emulated bf16 makes every figure ~20x slower
@@ -159,7 +159,7 @@ def bare_steps(path: str, kind: str, steps: int, cfg) -> dict[str, float]:
     import torch
 
     from rlhf import losses
-    from rlhf.decode import decode
+    from rlhf.generation.decode import decode
     from rlhf.models import load_causal_lm, load_reward_model, load_tokenizer
 
     torch.manual_seed(0)

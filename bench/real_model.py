@@ -43,7 +43,7 @@ def accuracy(folder: str, rows: list[dict], max_new_tokens: int, batch: int = 50
     generate alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.verifiers import math_score
+    from rlhf.rewards.verifiers import math_score
 
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
@@ -102,7 +102,7 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     return cpu_bf16()
 

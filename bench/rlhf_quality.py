@@ -87,8 +87,8 @@ def run_chain(seed: int, out: Path, args) -> dict:
         # The chain's own PPO settings stay; the rule replaces the reward model on top of them.
         overrides += ["pipeline.ppo.step.reward_fn=rule", "pipeline.ppo.step.reward_model_weight=0",
                       "pipeline.steps=[sft,ppo]"]
+    from rlhf.chain.readiness import RUN_ANYWAY
     from rlhf.errors import ConfigError
-    from rlhf.readiness import RUN_ANYWAY
 
     cfg = compose_config(overrides)
     start = time.perf_counter()

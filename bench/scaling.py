@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_scaling")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     points = []
     for hidden, layers, heads in SIZES:

@@ -128,7 +128,7 @@ def main() -> None:
         bare_b, _ = bare_loop(cfg, args.steps, args.window)  # bracket the runner against drift in machine load
     bare = statistics.median(bare_a[1:] + bare_b[1:])
     ours = statistics.median(runner[1:])
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     print(json.dumps({
         "step": cfg.step.name, "model": cfg.model.name, "hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--ways", nargs="+", default=["gather"], choices=["gather", "tp", "layerwise"],
                     help="ZeRO-3 ways of generating to measure against ZeRO-0")
     args = ap.parse_args()
-    from rlhf.probes import cpu_bf16
+    from rlhf.preflight.probes import cpu_bf16
 
     # Two ranks on a 2-core machine drift by 20-30% between launches (seen: ZeRO-0 generation at
     # 0.30 s in one launch and 0.45 s in the next, same code): the settings alternate over rounds and

@@ -259,7 +259,7 @@ class Checkpointer:
                     shutil.rmtree(old, ignore_errors=True)
         self._barrier()
         if self.rank == 0:  # after the barrier: the other ranks train on while rank 0 draws
-            from rlhf import curves
+            from rlhf.observe import curves
 
             curves.refresh(self.root.parent, at_checkpoint=True)
         return final
@@ -341,7 +341,7 @@ class StopRequest:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
-        from rlhf import ranks
+        from rlhf.launch import ranks
 
         self.signum = signum
         ranks.ended("signal", f"signal {signum}")

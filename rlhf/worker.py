@@ -132,7 +132,7 @@ def clear_stale_build_locks(max_age_s: float = 900) -> None:
     most, so a lock older than ``max_age_s`` is stale."""
     import time
 
-    from rlhf.probes import extensions_root
+    from rlhf.preflight.probes import extensions_root
 
     root = extensions_root()
     for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
@@ -160,9 +160,9 @@ def main(cfg: Config) -> dict:
 
 def judge_start(cfg: Config, steps: list[str]) -> None:
     """A chain's step started in a launch of several ranks is judged as the one-process chain judges
-    it (rlhf.readiness.weak_step), from the chain's settings in the folder above the step's."""
+    it (rlhf.chain.readiness.weak_step), from the chain's settings in the folder above the step's."""
+    from rlhf.chain.readiness import RUN_ANYWAY, chain_settings, weak_step
     from rlhf.config import ConfigError
-    from rlhf.readiness import RUN_ANYWAY, chain_settings, weak_step
 
     chain_dir = Path(cfg.run_dir).parent
     if (pipe := chain_settings(Path(cfg.run_dir))) is None:
@@ -182,8 +182,8 @@ def main_steps(paths: list[str]) -> None:
 
     import torch.distributed as dist
 
-    from rlhf import ranks
     from rlhf.config import ConfigError, load_run_config
+    from rlhf.launch import ranks
 
     ranks.started()
     # The launcher terminates the other ranks as soon as one fails; say so in this rank's record
@@ -201,7 +201,7 @@ def main_steps(paths: list[str]) -> None:
             main(cfg)
         except ConfigError as err:
             # A user's error (bad data, a rule that cannot score): one line for the launcher to show
-            # (rlhf.launcher.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
+            # (rlhf.launch.processes.launch_ranks), not a traceback from every rank; exit 2 like a one-rank run.
             ranks.ended("error", f"{err.kind} error: {err}")
             (run_dir / "error.json").write_text(json.dumps({"kind": err.kind, "message": str(err)}))
             if "RLHF_LAUNCHER" not in os.environ:  # ranks started by hand: nobody else will say it
@@ -220,7 +220,7 @@ def main_steps(paths: list[str]) -> None:
 
 
 def _end_on_signal(signum, frame) -> None:
-    from rlhf import ranks
+    from rlhf.launch import ranks
 
     ranks.ended("signal", f"signal {signum}")
     sys.exit(128 + signum)

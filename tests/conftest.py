@@ -81,7 +81,7 @@ def compose(overrides: list[str] | None = None):
 def compose_step(overrides: list[str], name: str, run_dir: Path = Path("/tmp/never-written")):
     """The composed DictConfig of step ``name`` of the chain that ``overrides`` compose (an experiment
     file or pipeline=...), exactly as the chain composes it."""
-    from rlhf.pipeline import step_config
+    from rlhf.chain.pipeline import step_config
 
     return step_config(compose(overrides), name, overrides, {}, run_dir)[0]
 

@@ -1,4 +1,4 @@
-"""One process of tests/test_rollout_share.py: greedy evaluation (rlhf.rollout.evaluate, a real
+"""One process of tests/test_rollout_share.py: greedy evaluation (rlhf.generation.rollout.evaluate, a real
 DeepSpeed engine) of 3 prompts on 2 ranks, where the second rank's share wraps round to the first
 prompt. The rule scores the prompt alone (1 for "p0"), so the right figure is 1/3 whatever the
 answers; then again with a head that never ends an answer (every one cut at the budget). Rank 0
@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf import engine as engine_factory
-from rlhf import models, rollout
+from rlhf import models
 from rlhf.config import compose_config, to_schema
 from rlhf.data.blend import DataReport
+from rlhf.generation import rollout
 from rlhf.worker import quiet_libraries
 
 

@@ -30,7 +30,7 @@ def write_tiny_gguf(path, arch: str = "llama", quant: str = "Q8_0", seed: int = 
     than llama writes the same file under another architecture name (a file transformers cannot read)."""
     import gguf
 
-    from rlhf.families import tiny_tokenizer
+    from rlhf.models.families import tiny_tokenizer
 
     path = Path(path)
     tok = tiny_tokenizer()

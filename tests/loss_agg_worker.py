@@ -20,9 +20,9 @@ import torch.distributed as dist
 from rlhf import engine as engine_factory
 from rlhf import losses, models
 from rlhf.config import compose_config, to_schema
-from rlhf.rollout import Experience, Scores, answer_logits, position_ids
+from rlhf.generation.rollout import Experience, Scores, answer_logits, position_ids
+from rlhf.generation.sampling import Sampling
 from rlhf.runners.ppo_update import ppo_update
-from rlhf.sampling import Sampling
 from rlhf.worker import quiet_libraries
 
 ROWS, PROMPT, ANSWER, EOS, PAD = 8, 5, 6, 2, 1

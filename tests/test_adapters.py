@@ -171,8 +171,8 @@ def test_conversations_use_the_tokenizers_chat_template(tmp_path):
 def test_long_ppo_prompts_are_dropped_or_left_truncated():
     from rlhf.config import ModelConfig
     from rlhf.data.blend import DataReport
+    from rlhf.generation.rollout import prompt_dataset
     from rlhf.models import load_tokenizer, resolve_path
-    from rlhf.rollout import prompt_dataset
 
     tok = load_tokenizer(resolve_path(ModelConfig(name="tiny-llama", random_init=True)))
     rows = [{"prompt": " Human: sort a b c d e f g h i j Assistant:"}, {"prompt": " Human: sort b a Assistant:"}]

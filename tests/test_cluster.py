@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlhf.slurm import compose_with_hydra, sbatch_script
+from rlhf.launch.slurm import compose_with_hydra, sbatch_script
 from tests.conftest import ROOT, clean_env, run_cli
 
 # A tiny SFT job (tiny-llama, hardware=cpu: one rank, torch_threads=1): seconds of training.
@@ -76,7 +76,7 @@ def test_a_job_runs_through_submitit_in_a_process_of_its_own(tmp_path):
 
 def test_sbatch_script_of_the_8_node_preset(tmp_path):
     """The script submitit's SlurmExecutor writes for experiment=opt-66b_64xa100-80g
-    hydra/launcher=slurm (rlhf.slurm maps hydra.launcher as the hydra-submitit-launcher plugin does):
+    hydra/launcher=slurm (rlhf.launch.slurm maps hydra.launcher as the hydra-submitit-launcher plugin does):
     8 nodes, 1 task per node, 8 GPUs per node, the time limit, and the command srun runs."""
     sweep = tmp_path / "sweep"
     overrides = ["experiment=opt-66b_64xa100-80g", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"]
@@ -98,7 +98,7 @@ def test_sbatch_script_of_the_8_node_preset(tmp_path):
     assert "#SBATCH --array=0-2%2" in array.splitlines(), array
 
     # The preview a user runs prints the same script, and names the tasks srun starts.
-    proc = run_cli(*overrides, "hydra.launcher.partition=gpu", module="rlhf.slurm", timeout=300)
+    proc = run_cli(*overrides, "hydra.launcher.partition=gpu", module="rlhf.launch.slurm", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == script
     assert "in each of its 8 task(s)" in proc.stderr
@@ -127,7 +127,7 @@ def test_the_table_names_jobs_that_stopped_or_never_started(tmp_path):
     then the command line), and the table has a row for each of the four."""
     from omegaconf import OmegaConf
 
-    from rlhf.sweep import collect, planned_jobs, write_result, write_tables
+    from rlhf.launch.sweep import collect, planned_jobs, write_result, write_tables
 
     config = OmegaConf.create({"hydra": {
         "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",

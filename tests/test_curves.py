@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rlhf import curves
 from rlhf.launch import run
+from rlhf.observe import curves
 from tests.conftest import compose
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32", "step.save_model=false"]
@@ -68,7 +68,7 @@ def test_a_4_step_ppo_draws_the_rl_panels_and_marks_warnings_where_they_happened
 
 
 def test_the_report_overlays_two_runs_and_names_the_keys_that_differ(two_sft_runs, tmp_path, capsys):
-    from rlhf import report
+    from rlhf.observe import report
 
     a, b = two_sft_runs
     assert report.main([str(a), str(b), "--out", str(tmp_path)]) == 0
@@ -90,7 +90,7 @@ def test_a_report_of_runs_of_different_steps_names_the_keys_they_differ_in_and_w
 
     from omegaconf import OmegaConf
 
-    from rlhf import report
+    from rlhf.observe import report
 
     a, _ = two_sft_runs
     runs = tmp_path / "runs"
@@ -111,7 +111,7 @@ def test_a_report_of_runs_of_different_steps_names_the_keys_they_differ_in_and_w
 
 
 def test_a_sweep_over_log_spaced_learning_rates_gets_a_log_axis_and_colours_by_the_other_key(tmp_path):
-    from rlhf import sweep
+    from rlhf.launch import sweep
 
     rows = []
     grid = [(lr, zero) for lr in ("1e-5", "1e-4", "1e-3") for zero in ("'2'", "'3'")]
@@ -135,7 +135,7 @@ def test_a_sweep_over_log_spaced_learning_rates_gets_a_log_axis_and_colours_by_t
 
 
 def test_a_resumed_run_keeps_its_wandb_id_and_a_wandb_login_is_honoured(tmp_path, monkeypatch):
-    from rlhf.logging import WANDB_ID_FILE, MetricsLogger, resolve_wandb_mode
+    from rlhf.observe.logging import WANDB_ID_FILE, MetricsLogger, resolve_wandb_mode
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -12,7 +12,7 @@ from rlhf.config import DataConfig, SourceConfig
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, blend, heldout_split, load_step_data, split_part
 from rlhf.data.tokenize import IGNORE_INDEX, BadRowError, PadCollator, sft_dataset
-from rlhf.verifiers import math_score
+from rlhf.rewards.verifiers import math_score
 from tests.conftest import ROOT, run_cli
 
 SORT = str(ROOT / "data" / "synthetic" / "sort")
@@ -27,7 +27,7 @@ def test_shipped_files_are_what_the_generator_writes(tmp_path):
 
 
 def test_the_numbers_task_s_reference_answers_are_right_by_the_math_rule_and_near_misses_are_not():
-    from rlhf.verifiers import math_score
+    from rlhf.rewards.verifiers import math_score
 
     rows = [json.loads(line) for line in open(ROOT / "data" / "synthetic" / "numbers" / "train.jsonl")][:500]
     for row in rows:

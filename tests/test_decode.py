@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlhf.config import ModelConfig
-from rlhf.decode import accepts, decode, next_tokens
+from rlhf.generation.decode import accepts, decode, next_tokens
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_path
 
 PROMPTS = [" Human: sort d b a c Assistant:", " Human: add 3 4 Assistant:", " Human: reverse a b Assistant:",
@@ -90,8 +90,8 @@ def test_lora_wrapped_model_decodes_and_scores_like_the_bare_one(family):
     """PEFT's forward takes **kwargs: the loop and the scoring must still hand it position ids (left
     padding) and logits_to_keep, so a fresh adapter (B = 0) changes no token and no logit."""
     from rlhf.config import LoraConfig
+    from rlhf.generation.rollout import answer_logits, position_ids
     from rlhf.models import apply_lora
-    from rlhf.rollout import answer_logits, position_ids
 
     model, tok = _model(family)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
@@ -159,7 +159,7 @@ def _left_padded(vocab: int):
 def test_own_forward_gives_the_model_s_logits_at_every_step(family):
     """Our family forward (preallocated cache, one attention call per layer) against the model's own
     forward, token by token over a left-padded batch: the same logits to float precision."""
-    from rlhf.decode import _model_steps, _own_forward, _own_steps
+    from rlhf.generation.decode import _model_steps, _own_forward, _own_steps
 
     model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
     ids, mask = _left_padded(model.config.vocab_size)
@@ -180,7 +180,7 @@ def test_a_family_without_our_forward_decodes_through_its_own(family, capsys):
     prompt + answer (16): ours would attend past the window. Both decode through the model's own
     forward to generate's tokens, and the static path says so in one line and does the same."""
     model = _config_model(family)
-    from rlhf.decode import _own_forward
+    from rlhf.generation.decode import _own_forward
 
     assert _own_forward(model, 16) is None
     ids, mask = _left_padded(model.config.vocab_size)
@@ -198,7 +198,7 @@ def test_rollout_logprobs_equal_a_forward_over_the_finished_sequences(family):
     full forward over prompt + answer (recompute), at the sampling temperature, over left-padded
     prompts, with an eos that ends a row early (0 after it); our forward and the model's own (GPT-2)."""
     from rlhf import losses
-    from rlhf.rollout import answer_logits, position_ids, response_mask
+    from rlhf.generation.rollout import answer_logits, position_ids, response_mask
 
     model = _model(family)[0] if family in ("llama", "opt") else _config_model(family)
     ids, mask = _left_padded(model.config.vocab_size)
@@ -243,7 +243,7 @@ def test_a_bf16_model_decodes_as_close_to_fp32_as_its_own_forward(family):
     projections in and out, per-head norms and LoRA layers each take their own path): its logits must
     stay as close to the fp32 model's as the model's own bf16 forward is, token by token."""
     from rlhf.config import LoraConfig
-    from rlhf.decode import _model_steps, _own_forward, _own_steps
+    from rlhf.generation.decode import _model_steps, _own_forward, _own_steps
     from rlhf.models import apply_lora
 
     name = family.removesuffix("-lora")
@@ -278,8 +278,8 @@ def test_static_step_decodes_the_tokens_and_logprobs_of_the_default_loop(family,
     row's eos; and where every row has ended before its first look (row 0 alone), the same length,
     although it looks for the end only every STATIC_CHECK_EVERY tokens and trims what it decoded
     past it. Spans of 8 positions: the 35 tokens cross several."""
-    from rlhf import decode as decode_module
-    from rlhf.decode import STATIC_CHECK_EVERY
+    from rlhf.generation import decode as decode_module
+    from rlhf.generation.decode import STATIC_CHECK_EVERY
 
     monkeypatch.setattr(decode_module, "STATIC_SPAN", span)
 
@@ -324,7 +324,7 @@ def test_static_decode_reads_back_to_the_host_once_per_check_interval(family):
     """33 tokens (eos forbidden throughout): the default loop reads the all-ended flag back after
     every token but the last; the static one once per STATIC_CHECK_EVERY tokens, plus once for the
     trim. (Every torch call passes through the counting mode: a few seconds per decode.)"""
-    from rlhf.decode import STATIC_CHECK_EVERY
+    from rlhf.generation.decode import STATIC_CHECK_EVERY
 
     model, tok = _model(family)
     ids, mask = _left_padded(model.config.vocab_size)
@@ -343,7 +343,7 @@ def test_static_token_step_traces_as_one_graph(family):
     """The token step compiles with fullgraph=True (no graph break: no host read-back, no shape that
     depends on a value), the condition for recording it as a CUDA graph, and the compiled step gives
     the eager step's logits token after token."""
-    from rlhf.decode import _own_forward, _StaticSteps
+    from rlhf.generation.decode import _own_forward, _StaticSteps
 
     model = _model(family)[0]
     ids, mask = _left_padded(model.config.vocab_size)

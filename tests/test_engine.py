@@ -106,7 +106,7 @@ def test_frozen_engine_runs_forward_without_gradients(zero):
     if zero == "3":
         # DeepSpeed's memory-efficient linear (on, its default) replaces F.linear for the process;
         # a rollout gathered whole runs torch's own and puts DeepSpeed's back.
-        from rlhf.rollout import gathered_whole
+        from rlhf.generation.rollout import gathered_whole
 
         patched = torch.nn.functional.linear
         assert patched is not torch._C._nn.linear

@@ -1,4 +1,4 @@
-"""Every Hugging Face family through every step: tiny random models of each (rlhf.families: their own
+"""Every Hugging Face family through every step: tiny random models of each (rlhf.models.families: their own
 config classes, grouped-query attention where the family has it, the local tokenizer) train SFT, a
 reward model and PPO with a critic, and save outputs that transformers' Auto classes load; rollouts
 give generate's greedy tokens and a plain forward's log-probs; LoRA's targets come from PEFT's mapping.
@@ -14,9 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.config import ConfigError, LoraConfig
-from rlhf.families import FAMILIES, tiny_family_model
 from rlhf.launch import run
 from rlhf.models import apply_lora, load_causal_lm, load_reward_model, load_tokenizer, model_sizes
+from rlhf.models.families import FAMILIES, tiny_family_model
 from tests.conftest import compose
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32"]
@@ -78,10 +78,10 @@ def _left_padded(tok):
 def test_every_family_s_rollouts_give_generate_s_tokens_and_a_plain_forward_s_logprobs(family, family_dir):
     """24 new tokens after 10-token left-padded prompts (past the families' 16-token sliding windows):
     greedy tokens equal generate's; sampled tokens' log-probs (temperature 0.7) equal one forward over
-    the finished sequences within 1e-4 in fp32; the families of rlhf.decode.FORWARDS run our forward."""
+    the finished sequences within 1e-4 in fp32; the families of rlhf.generation.decode.FORWARDS run our forward."""
     from rlhf import losses
-    from rlhf.decode import FORWARDS, _own_forward, decode
-    from rlhf.rollout import answer_logits, position_ids, response_mask
+    from rlhf.generation.decode import FORWARDS, _own_forward, decode
+    from rlhf.generation.rollout import answer_logits, position_ids, response_mask
 
     path = family_dir(family)
     tok = load_tokenizer(path)
@@ -149,8 +149,8 @@ def test_lora_peft_default_for_a_family_peft_has_no_default_for_is_refused_in_on
 
 def test_a_family_without_a_tensor_parallel_plan_is_refused_naming_it(family_dir):
     """Phi-3 fuses q, k and v (and gate and up) into one projection each: no slice plan of ours."""
-    from rlhf import memory
     from rlhf.config import ModelConfig
+    from rlhf.preflight import memory
 
     why = memory.tp_unsupported(ModelConfig(name="m", path=family_dir("phi3")), 2)
     assert why.startswith("model.family='phi3' has no tensor-parallel plan") and "\n" not in why

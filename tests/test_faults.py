@@ -67,7 +67,7 @@ def test_the_dry_run_of_a_cluster_preset_prints_the_per_node_commands(tmp_path, 
     assert "node K starts ranks 8K .. 8K+7" in out
     # A node's own command: its ranks only, without ssh.
     from rlhf.config import to_schema
-    from rlhf.launcher import launch_command
+    from rlhf.launch.processes import launch_command
 
     schema = to_schema(compose(["experiment=opt-66b_64xa100-80g", "launch.master_addr=10.0.0.1",
                                 "launch.node_rank=3"]))
@@ -246,7 +246,7 @@ def test_inside_a_slurm_job_step_each_node_starts_its_own_ranks(tmp_path, monkey
     hostfile written from the allocation. There is no SLURM here: `scontrol` is a script printing the
     allocation's hosts, and the variables are those srun sets in a task."""
     from rlhf.config import ConfigError, to_schema
-    from rlhf.launcher import launch_command, slurm_hostfile, slurm_node
+    from rlhf.launch.processes import launch_command, slurm_hostfile, slurm_node
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -1,12 +1,12 @@
-"""The time and cost forecast (rlhf/forecast/): FLOPs and ZeRO traffic against hand-worked numbers,
+"""The time and cost forecast (rlhf/preflight/forecast/): FLOPs and ZeRO traffic against hand-worked numbers,
 phases that add up, a preset without a price, and figures that do not depend on the machine."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlhf import forecast
 from rlhf.config import ModelConfig, to_schema
+from rlhf.preflight import forecast
 from tests.conftest import compose, compose_step
 
 # Two OPT-like layers of width 8: per layer 4h^2 + 4h (attention) + 2hf + f + h (feed-forward) + 4h
@@ -62,7 +62,7 @@ def test_a_decode_step_replayed_as_a_cuda_graph_by_hand(monkeypatch):
     a dispatch cost per layer; the static step replayed as a graph attends over the cache up to the
     end of its span (here the whole cache: 8 positions fit the first span) and dispatches nothing per
     layer. FLOPs are made free so that bytes alone count."""
-    from rlhf import decode
+    from rlhf.generation import decode
 
     # Spans of 4 positions, a prompt of 3 and an answer of 6: the tokens at positions 3..8 need 4..9
     # positions, rounded up to 4, 8, 8, 8, 8 and the whole cache, 9.

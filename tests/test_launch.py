@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from rlhf import memory
 from rlhf.config import ConfigError, load_model_file, to_schema
 from rlhf.engine import ds_config
 from rlhf.launch import run
+from rlhf.preflight import memory
 from tests.conftest import ROOT, compose, compose_step, free_port, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -144,7 +144,7 @@ def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedu
     """2 CPU ranks, ZeRO-3, accumulation 2, gradient checkpointing, an adaptive KL coefficient: both
     ranks hold the same coefficient (it is updated from the KL of the global batch), and the linear
     schedule spans all optimizer steps (3 PPO steps x 2 optimizer steps), not half of them. The
-    actor generates in tensor-parallel slices over both ranks (rlhf/shards.py): the log-probs its
+    actor generates in tensor-parallel slices over both ranks (rlhf/generation/shards.py): the log-probs its
     rollouts carry are the training forward's."""
     import torch
 
@@ -285,7 +285,7 @@ def test_a_hub_model_that_cannot_be_reached_is_refused_at_once(tmp_path, monkeyp
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_slowdown(tmp_path, monkeypatch, capsys):
-    from rlhf import probes
+    from rlhf.preflight import probes
 
     assert probes.cpu_bf16() in ("emulated", "unknown") or probes.cpu_bf16().startswith("native (")
     monkeypatch.setattr(probes, "cpu_bf16", lambda: "emulated")  # this CPU's flags, as an AVX2-only CPU has them

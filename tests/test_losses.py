@@ -97,7 +97,7 @@ def test_kl_estimators_by_hand():
 
 
 def test_response_mask_and_last_token_for_early_stop_limit_and_empty():
-    from rlhf.rollout import response_mask
+    from rlhf.generation.rollout import response_mask
 
     response = t([[5, 2, 0, 0],   # stops early: eos at 1 (pads after it)
                   [5, 6, 7, 8],   # runs to the limit: no eos

@@ -276,7 +276,7 @@ def test_rlvr_options_refuse_what_cannot_work_naming_the_key():
 
 
 def test_critic_free_estimators_leave_the_critic_out_of_the_memory_preflight():
-    from rlhf import memory
+    from rlhf.preflight import memory
 
     gae = [r.role for r in memory.estimate(to_schema(compose(["step=ppo"])))]
     rloo = [r.role for r in memory.estimate(to_schema(compose(["step=ppo", "step.advantage_estimator=rloo",
@@ -449,7 +449,7 @@ def test_an_sft_no_better_than_one_constant_answer_is_refused(tmp_path):
     do not decide. Beyond the noise, or where no single answer is often right, it is not refused."""
     from omegaconf import OmegaConf
 
-    from rlhf.readiness import weak_step
+    from rlhf.chain.readiness import weak_step
 
     (tmp_path / "sft").mkdir()
     OmegaConf.save({"step": {"eval_accuracy_prompts": 256}, "optim": {"lr": 3e-3}}, tmp_path / "sft" / "config.yaml")
@@ -487,7 +487,7 @@ def test_a_weak_reward_model_is_refused_with_the_users_rule_as_the_fix(tmp_path,
     read from the steps' final metrics."""
     from omegaconf import OmegaConf
 
-    from rlhf.readiness import printed_fixes, weak_step, with_fix
+    from rlhf.chain.readiness import printed_fixes, weak_step, with_fix
 
     for step, final in (("sft", {"eval/accuracy": 0.30, "select/accuracy": 0.31}), ("reward", {"eval/acc": 0.71})):
         (tmp_path / step).mkdir()
@@ -811,9 +811,9 @@ def test_a_ppo_update_reads_back_to_the_host_once_per_pass_and_once_at_the_end()
 
     from rlhf import engine as engine_factory
     from rlhf import losses, models
-    from rlhf.rollout import Experience, Scores, answer_logits, position_ids
+    from rlhf.generation.rollout import Experience, Scores, answer_logits, position_ids
+    from rlhf.generation.sampling import Sampling
     from rlhf.runners import ppo_update as update_module
-    from rlhf.sampling import Sampling
     from rlhf.worker import init_distributed
     from tests.loss_agg_worker import ANSWER, EOS, PROMPT, ROWS, batch
 

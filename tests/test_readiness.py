@@ -13,9 +13,9 @@ import pytest
 from conftest import compose
 from omegaconf import OmegaConf
 
+from rlhf.chain.pipeline import skip_unused
+from rlhf.chain.readiness import printed_fixes, weak_step
 from rlhf.launch import run
-from rlhf.pipeline import skip_unused
-from rlhf.readiness import printed_fixes, weak_step
 
 PIPE = OmegaConf.create({"reward_min_accuracy": 0.95, "min_policy_accuracy": 0.02, "sft_loss_still_falling": 0,
                          "sft_beyond_constant": False})

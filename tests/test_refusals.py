@@ -17,9 +17,9 @@ import pytest
 from conftest import compose
 
 from bench.own_task import ROWS, RULES
+from rlhf.chain.readiness import RUN_ANYWAY, printed_fixes, with_fix
 from rlhf.config import ConfigError
 from rlhf.launch import run
-from rlhf.readiness import RUN_ANYWAY, printed_fixes, with_fix
 
 pytestmark = pytest.mark.slow
 

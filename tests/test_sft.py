@@ -168,7 +168,7 @@ def test_a_task_where_one_answer_is_often_right_raises_the_accuracy_stop_above_i
     way from the best constant answer's accuracy to 100%, so SFT goes on training."""
     import random
 
-    from rlhf.readiness import accuracy_bar
+    from rlhf.chain.readiness import accuracy_bar
 
     rng = random.Random(0)
     data = tmp_path / "vowel"
@@ -202,7 +202,7 @@ def test_a_task_where_one_answer_is_often_right_raises_the_accuracy_stop_above_i
 
 
 def test_constant_answer_accuracy_and_the_bar_by_hand():
-    from rlhf.readiness import accuracy_bar, constant_answer_accuracy
+    from rlhf.chain.readiness import accuracy_bar, constant_answer_accuracy
 
     def rule(prompt, answer):
         return float(answer == prompt[-1])

@@ -14,10 +14,10 @@ import torch
 import transformers as T
 from transformers import AutoModelForCausalLM
 
-from rlhf import memory
 from rlhf.config import ConfigError, LoraConfig, ModelConfig, to_schema
 from rlhf.launch import run
 from rlhf.models import apply_lora, model_sizes
+from rlhf.preflight import memory
 from tests.conftest import compose, run_cli
 
 # Tiny random configs of several families, each with what sets it apart: grouped-query attention
@@ -174,7 +174,7 @@ def test_any_family_autoconfig_knows_is_a_valid_model_family():
 def test_the_forecast_counts_flops_from_the_folder_s_sizes(tmp_path):
     """Per token a forward costs 2 FLOPs per parameter of the layers and the head (the tied embedding
     is a lookup) plus attention over the context at the query width (heads x head size)."""
-    from rlhf import forecast
+    from rlhf.preflight import forecast
 
     config = FAMILIES["llama-gqa"]()
     m = _model_at(_folder(tmp_path, config))

@@ -18,7 +18,7 @@ from rlhf import rewards
 from rlhf.config import DataError, to_schema
 from rlhf.data.blend import DataReport, data_rule, load_step_data, references
 from rlhf.launch import run
-from rlhf.verifiers import as_number, final_answer, math_score
+from rlhf.rewards.verifiers import as_number, final_answer, math_score
 
 QUIET = ["logging.progress_bar=false", "data.max_eval_samples=64"]
 

@@ -13,8 +13,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf import memory, models
+from rlhf import models
 from rlhf.config import to_schema
+from rlhf.preflight import memory
 from tests.conftest import ROOT, clean_env, compose, free_port
 from tests.zero3_generate_worker import PROMPTS
 

@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from rlhf import engine as engine_factory
 from rlhf import models
 from rlhf.config import load_run_config
-from rlhf.rollout import _zero3_offload, gathered_whole, generate, left_pad, position_ids
+from rlhf.generation.rollout import _zero3_offload, gathered_whole, generate, left_pad, position_ids
 
 NEW_TOKENS = 6
 # Per rank: lengths and counts differ, so tensor-parallel groups pad both.

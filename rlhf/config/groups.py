@@ -122,7 +122,7 @@ class HardwareConfig:
     torch_threads: int = 1
     # Collective backend: gloo on CPU, nccl on NVIDIA GPUs.
     dist_backend: str = "gloo"
-    # For the time and cost forecast (rlhf/forecast/), datasheet figures of one device: dense
+    # For the time and cost forecast (rlhf/preflight/forecast/), datasheet figures of one device: dense
     # matrix-product peak at hardware.precision in TFLOP/s (0 on CPU: measured at start-up), memory
     # bandwidth in GB/s, collective bandwidth to the other devices of its node per direction in GB/s,
     # and the network bandwidth of a whole node in GB/s.
@@ -191,7 +191,7 @@ class ZeroConfig:
     # does not keep the gathered copy alive, so each layer's weights are freed after its forward;
     # off, every linear holds its gathered weight until the backward (the whole model's weights at
     # once: small models only). Its per-call overhead cost ZeRO-3 rollouts ~25% per token on 2 CPU
-    # ranks, so rollouts gathered whole use torch's own linear either way (rlhf.rollout).
+    # ranks, so rollouts gathered whole use torch's own linear either way (rlhf.generation.rollout).
     memory_efficient_linear: bool = True
 
     def __post_init__(self) -> None:
@@ -432,7 +432,7 @@ class LoggingConfig:
     wandb_group: str = ""
     # Also write TensorBoard event files into RUN_DIR/tensorboard.
     tensorboard: bool = False
-    # Profile this optimizer step (PPO: PPO step) with torch.profiler (rlhf.profiling); 0: off.
+    # Profile this optimizer step (PPO: PPO step) with torch.profiler (rlhf.observe.profiling); 0: off.
     profile_step: int = 0
 
     def __post_init__(self) -> None:

@@ -279,7 +279,7 @@ class PPOStepConfig(StepConfig):
     # Rollouts per generate call and per scoring forward (bounds the KV cache and the scoring logits); 0: the
     # whole rollout batch at once.
     generation_batch_size_per_device: int = 0
-    # Decode rollouts with the static-shape token step (rlhf.decode._StaticSteps): on a GPU recorded
+    # Decode rollouts with the static-shape token step (rlhf.generation.decode._StaticSteps): on a GPU recorded
     # once per generate call as a CUDA graph and replayed per token, the all-ended check every 16
     # tokens; the default loop's distribution (its log-probs match a plain forward as closely). On one
     # H200 the PPO step ran 1.52x faster (docs/benchmarks.md). On CPU it runs without a graph (every
@@ -417,9 +417,9 @@ class PPOStepConfig(StepConfig):
     # ZeRO-3 generation: gathering the whole actor once per generate call is far faster than ZeRO-3's
     # layer-by-layer gathers (repeated for every token), but needs the full actor on each device; tp
     # gathers it into tensor-parallel slices over groups of step.generation_tp_size ranks, which decode
-    # their prompts together (DeepSpeed-Chat's hybrid engine with --inference_tp_size; rlhf/shards.py).
+    # their prompts together (DeepSpeed-Chat's hybrid engine with --inference_tp_size; rlhf/generation/shards.py).
     # auto: gather when the memory pre-flight says it fits, else tp where the model splits and it fits,
-    # else layerwise (rlhf.memory.generation_gathering); gather; tp; layerwise.
+    # else layerwise (rlhf.preflight.memory.generation_gathering); gather; tp; layerwise.
     zero3_generation: str = "auto"
     # Ranks per tensor-parallel generation group under zero3_generation tp (or auto choosing it):
     # consecutive ranks, so a node's devices when it divides them; 0: hardware.devices_per_node.
@@ -633,7 +633,7 @@ class StepSpec:
     # In a chain, overrides taken from earlier steps' outputs: (key, step whose output folder it is,
     # the pipeline flag that must be true for it or None). A model.path so set is a trained model.
     chain_inputs: tuple[tuple[str, str, str | None], ...] = ()
-    # In a chain, rlhf.readiness.weak_step's floors that apply to it: reward_accuracy (the reward
+    # In a chain, rlhf.chain.readiness.weak_step's floors that apply to it: reward_accuracy (the reward
     # model's held-out accuracy, pipeline.reward_min_accuracy), policy_accuracy (the SFT policy's,
     # pipeline.min_policy_accuracy, judged as soon as SFT's figures exist).
     checks: tuple[str, ...] = ()

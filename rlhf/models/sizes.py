@@ -195,7 +195,7 @@ def read_config(path: str, trust_remote_code: bool = False):
     if not local and (path, trust_remote_code) in _HUB_CONFIGS:
         return _HUB_CONFIGS[path, trust_remote_code]
     if not local:
-        from rlhf.probes import hub_unreachable
+        from rlhf.preflight.probes import hub_unreachable
 
         if why := hub_unreachable(path):
             _HUB_CONFIGS[path, trust_remote_code] = None, why

@@ -14,11 +14,11 @@ from pathlib import Path
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from rlhf.chain.readiness import cut_answers
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data.tokenize import packed_row_lengths
-from rlhf.logging import MetricsLogger, peak_memory_gb, train_flops
-from rlhf.readiness import cut_answers
+from rlhf.observe.logging import MetricsLogger, peak_memory_gb, train_flops
 
 
 def train_sampler(ds, cfg: Config, rank: int, world: int) -> DistributedSampler:
@@ -99,8 +99,8 @@ def greedy_check(cfg: Config, eval_prompts: list[str], tokenizer, report) -> tup
     """The data's rule and the held-out prompts a step with no readiness rule scores greedy answers on
     (step.eval_accuracy_prompts of the reported half, the prompts every step of a chain reports on);
     no prompts where no rule scores them."""
-    from rlhf import rollout
     from rlhf.data.blend import data_rule, heldout_split
+    from rlhf.generation import rollout
 
     rule = data_rule(cfg.data, eval_prompts, tokenizer)
     rows = heldout_split(eval_prompts, cfg.data.seed, cfg.step.eval_accuracy_prompts)[1]
@@ -257,7 +257,7 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
         if save_more is not None:
             save_more(final)
     if rank == 0:
-        from rlhf import curves
+        from rlhf.observe import curves
 
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
         curves.refresh(run_dir)

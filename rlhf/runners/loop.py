@@ -19,8 +19,8 @@ from tqdm import tqdm
 from rlhf.checkpoint import StopRequest
 from rlhf.config import Config
 from rlhf.distributed import mean_over_ranks
-from rlhf.logging import format_line
-from rlhf.profiling import StepProfiler
+from rlhf.observe.logging import format_line
+from rlhf.observe.profiling import StepProfiler
 from rlhf.runners import common
 
 

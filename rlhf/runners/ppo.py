@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf import losses, memory, readiness
+from rlhf import losses
+from rlhf.chain import readiness
 from rlhf.checkpoint import (
     Checkpointer,
     StopRequest,
@@ -41,14 +42,15 @@ from rlhf.checkpoint import (
     set_rng_state,
 )
 from rlhf.config import Config, ConfigError, ppo_updates_per_step
-from rlhf.logging import peak_memory_gb
-from rlhf.profiling import StepProfiler
+from rlhf.generation.sampling import Sampling
+from rlhf.observe.logging import peak_memory_gb
+from rlhf.observe.profiling import StepProfiler
+from rlhf.preflight import memory
 from rlhf.runners.common import finish, open_logger, say
 from rlhf.runners.ppo_experience import make_experience, rollout_metrics
 from rlhf.runners.ppo_judge import Judge
 from rlhf.runners.ppo_setup import Prompts, Roles, build_prompts, build_roles, checked_tokenizer
 from rlhf.runners.ppo_update import ppo_update
-from rlhf.sampling import Sampling
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Setup:
     prompts: Prompts
     # The rollouts' sampling (the start check draws the same way).
     sampling: Sampling
-    # ZeRO-3's way to generate (rlhf.memory.generation_gathering): the pre-flight's choice.
+    # ZeRO-3's way to generate (rlhf.preflight.memory.generation_gathering): the pre-flight's choice.
     gathering: int
     judge: Judge
     ckpt: Checkpointer

@@ -16,9 +16,17 @@ import torch.nn.functional as F
 
 from rlhf import losses, rewards
 from rlhf.distributed import any_rank, cat_over_ranks, min_over_ranks, sum_over_ranks, world_size
-from rlhf.rollout import Experience, Scores, answer_logits, answer_texts, generate, position_ids, response_mask
+from rlhf.generation.rollout import (
+    Experience,
+    Scores,
+    answer_logits,
+    answer_texts,
+    generate,
+    position_ids,
+    response_mask,
+)
+from rlhf.generation.sampling import Sampling
 from rlhf.runners.ppo_setup import Roles
-from rlhf.sampling import Sampling
 
 
 # ------------------------------------------------------------------------------- rollouts

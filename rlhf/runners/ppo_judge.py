@@ -4,7 +4,7 @@ It answers the held-out prompts greedily (select/* picks the best actor and feed
 eval/* is what gets reported), keeps the best-evaluated actor in best_model/ and makes it the output,
 warns once of reward hacking, and at the start checks the reward model on the policy's own sampled
 answers. What a failed start check does comes from whoever configures the judge (``gate``: a
-chain's readiness rule, rlhf.readiness.ppo_start_gate; none for a step run on its own): the judge
+chain's readiness rule, rlhf.chain.readiness.ppo_start_gate; none for a step run on its own): the judge
 and the runner do not look for a chain themselves.
 
     python launch.py step=ppo step.reward_fn=rule step.eval_every_steps=25 actor.path=... critic.path=...
@@ -24,15 +24,16 @@ from statistics import NormalDist
 import torch
 import torch.distributed as dist
 
-from rlhf import losses, readiness, rewards
+from rlhf import losses, rewards
+from rlhf.chain import readiness
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config, ConfigError
 from rlhf.distributed import cat_over_ranks, first_copies, rank_share
-from rlhf.rollout import evaluate, sampled_answers
+from rlhf.generation.rollout import evaluate, sampled_answers
+from rlhf.generation.sampling import Sampling
 from rlhf.runners.common import as_select, say
 from rlhf.runners.ppo_experience import sequence_scores
 from rlhf.runners.ppo_setup import Prompts, Roles
-from rlhf.sampling import Sampling
 
 
 @torch.no_grad()

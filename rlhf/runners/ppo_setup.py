@@ -17,7 +17,7 @@ from rlhf import losses, models, rewards
 from rlhf.config import Config, ConfigError
 from rlhf.data.blend import DataReport, data_rule, heldout_split, load_step_data, load_text_sources, named_rule
 from rlhf.data.tokenize import PadCollator, sft_dataset
-from rlhf.rollout import left_pad, prompt_dataset
+from rlhf.generation.rollout import left_pad, prompt_dataset
 from rlhf.runners.common import count_params, write_data_report
 
 

@@ -11,7 +11,7 @@ import torch
 
 from rlhf import losses
 from rlhf.distributed import sum_over_ranks, world_size
-from rlhf.rollout import Experience, answer_logits
+from rlhf.generation.rollout import Experience, answer_logits
 
 
 def step_counts(exp: Experience, order: torch.Tensor, micro: int, accumulation: int) -> torch.Tensor:

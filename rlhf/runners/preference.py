@@ -24,9 +24,11 @@ from datasets import Dataset, concatenate_datasets
 from torch.utils.data import DistributedSampler
 
 from rlhf import engine as engine_factory
-from rlhf import losses, memory, models, rollout
+from rlhf import losses, models
 from rlhf.config import STEPS, Config
 from rlhf.data.tokenize import PairCollator, pair_dataset
+from rlhf.generation import rollout
+from rlhf.preflight import memory
 from rlhf.runners import common, loop
 
 

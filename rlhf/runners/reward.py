@@ -25,13 +25,14 @@ import torch.distributed as dist
 from datasets import Dataset, concatenate_datasets
 
 from rlhf import engine as engine_factory
-from rlhf import losses, models, rollout
+from rlhf import losses, models
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.blend import DataReport, data_rule, heldout_split, load_step_data, named_rule
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.distributed import first_copies, rank_share
+from rlhf.generation import rollout
 from rlhf.runners import common, loop
 
 # The policy's answers for its pairs are drawn at temperature 1, wider than PPO's sampling (0.7 by

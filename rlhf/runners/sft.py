@@ -15,10 +15,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf import memory, models, readiness, rollout
+from rlhf import models
+from rlhf.chain import readiness
 from rlhf.config import Config
 from rlhf.data.blend import data_rule, heldout_split
 from rlhf.data.tokenize import IGNORE_INDEX, PackCollator, PadCollator, sft_dataset
+from rlhf.generation import rollout
+from rlhf.preflight import memory
 from rlhf.runners import common, loop
 
 

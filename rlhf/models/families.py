@@ -4,7 +4,7 @@ Each is built offline from its transformers config class (a few layers, grouped-
 where the family has it) with the random models' locally trained tokenizer, and saved with
 ``save_pretrained`` like any checkpoint, so that every step loads it through ``from_pretrained``.
 
-    python -c "from rlhf.families import tiny_family_model; print(tiny_family_model('qwen2', '/tmp/q'))"
+    python -c "from rlhf.models.families import tiny_family_model; print(tiny_family_model('qwen2', '/tmp/q'))"
 """
 
 from __future__ import annotations

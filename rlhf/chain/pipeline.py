@@ -24,12 +24,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf import launch_step
+from rlhf.chain.readiness import RUN_ANYWAY, weak_step
 from rlhf.config import STEPS, Config, ConfigError, compose_config, role_models, step_roles, to_schema
 from rlhf.files import write_whole
-from rlhf.launcher import launch_ranks
-from rlhf.plan import build_plan, shaped_as_built
-from rlhf.provenance import (
+from rlhf.launch import step as launch_step
+from rlhf.launch.processes import launch_ranks
+from rlhf.launch.provenance import (
     changed_settings,
     flat_keys,
     refuse_changed_settings,
@@ -37,7 +37,7 @@ from rlhf.provenance import (
     start_over,
     write_run_dir,
 )
-from rlhf.readiness import RUN_ANYWAY, weak_step
+from rlhf.preflight.plan import build_plan, shaped_as_built
 
 # Overrides the chain decides itself; the command line's versions of these are not passed on.
 # Role paths typed on the command line are passed on and win over the chain's own outputs.
@@ -276,7 +276,7 @@ def summary(planned, manifest: dict, results: dict, outputs: dict, chain: list[s
     last = outputs[list(planned)[-1]]
     chain_dir = Path(last).parent.parent
     lines += [f"[e2e] outputs: {json.dumps({k: outputs[k] for k in planned})}",
-              f"[e2e] curves: each step's curves.png; side by side: python -m rlhf.report {chain_dir}",
+              f"[e2e] curves: each step's curves.png; side by side: python -m rlhf.observe.report {chain_dir}",
               f"[e2e] next: python -m rlhf.chat --path {last}"]
     return "\n".join(lines)
 

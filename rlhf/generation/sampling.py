@@ -1,8 +1,8 @@
 """The sampling settings of one generation, as one object: built once from a step's config
-(``Sampling.of(cfg.step)``) and handed through ``rlhf.rollout.generate`` to ``rlhf.decode.decode``,
+(``Sampling.of(cfg.step)``) and handed through ``rlhf.generation.rollout.generate`` to ``rlhf.generation.decode.decode``,
 so that the rollouts, the start check and the log-probs that score them read the same values.
 
-    python -c "from rlhf.sampling import Sampling; print(Sampling(8))"
+    python -c "from rlhf.generation.sampling import Sampling; print(Sampling(8))"
 """
 
 from __future__ import annotations

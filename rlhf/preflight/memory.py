@@ -133,16 +133,16 @@ def generating_role(cfg: Config) -> str | None:
 
 def table_bytes(m: ModelConfig, precision: str) -> float:
     """The embedding and the language-model head (one table where tied, as OPT's): what a
-    tensor-parallel slice of the model (rlhf.shards) holds whole on every rank."""
+    tensor-parallel slice of the model (rlhf.generation.shards) holds whole on every rank."""
     return bytes_per_param(precision) * sizes(m).table_params
 
 
 def tp_unsupported(m: ModelConfig, t: int) -> str | None:
-    """Why ``m`` cannot be split over ``t`` ranks for generation (rlhf.shards), from its sizes."""
-    from rlhf.shards import PLANS, unsupported
+    """Why ``m`` cannot be split over ``t`` ranks for generation (rlhf.generation.shards), from its sizes."""
+    from rlhf.generation.shards import PLANS, unsupported
 
     s = sizes(m)
-    # rlhf.shards keys its plans by the class a checkpoint loads as; a family without one is named.
+    # rlhf.generation.shards keys its plans by the class a checkpoint loads as; a family without one is named.
     family = s.architecture if s.architecture in PLANS else s.family
     return unsupported(family, s.num_heads, s.ffn_size, t, s.num_kv_heads)
 
@@ -154,7 +154,7 @@ def generation_tp_size(cfg: Config) -> int:
 
 def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -> int:
     """How a ZeRO-3 generate call holds the generating model: 1, gathered whole (one gather per
-    call); t > 1, gathered into tensor-parallel slices over groups of t ranks (rlhf.shards, one
+    call); t > 1, gathered into tensor-parallel slices over groups of t ranks (rlhf.generation.shards, one
     gather per call, 1/t of the weights per device); 0, layer by layer (ZeRO-3's hooks gather
     every layer again for every token) -- and 0 where nothing is gathered (not ZeRO-3).
 

@@ -10,7 +10,7 @@ each rank computes its own heads and MLP neurons, and one all-reduce per row-spl
 per layer) adds the partial sums. A decoding step then reads 1/t of the weights per device.
 
 The copy is an ordinary transformers model of the same class with sliced tensors, run by our family
-forward (rlhf.decode.FORWARDS): it reshapes projections into heads by head size, so each rank's
+forward (rlhf.generation.decode.FORWARDS): it reshapes projections into heads by head size, so each rank's
 slice is simply fewer heads. LoRA adapters (PEFT) are merged into the copy's weights.
 
     .venv/bin/python -m pytest -q tests/test_zero3_generate.py   # 2 CPU ranks: the whole model's tokens
@@ -44,7 +44,7 @@ FAMILY_CLASSES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
 def unsupported(family: str, heads: int, ffn: int, t: int, kv_heads: int | None = None) -> str | None:
     """Why a model cannot be split over ``t`` ranks for generation; None if it can."""
     if FAMILY_CLASSES.get(family, family) not in PLANS:
-        return (f"model.family={family!r} has no tensor-parallel plan (rlhf.shards.PLANS has "
+        return (f"model.family={family!r} has no tensor-parallel plan (rlhf.generation.shards.PLANS has "
                 f"{', '.join(PLANS)}): use step.zero3_generation=gather or layerwise")
     for what, n in (("attention heads", heads), ("key/value heads", kv_heads or heads), ("MLP width", ffn)):
         if n % t:
@@ -114,7 +114,7 @@ def _build(model: nn.Module, t: int):
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     name = type(base).__name__
     if name not in PLANS:
-        raise ValueError(f"{name} has no tensor-parallel plan (rlhf.shards.PLANS): use "
+        raise ValueError(f"{name} has no tensor-parallel plan (rlhf.generation.shards.PLANS): use "
                          "step.zero3_generation=gather or layerwise")
     config = base.config
     kv = getattr(config, "num_key_value_heads", None)

@@ -1,6 +1,6 @@
-"""Executing one step's plan (rlhf.plan): refuse it or record it in the run directory, then run the
-step in this process (one rank) or start its ranks through the DeepSpeed launcher (rlhf.launcher).
-Called by rlhf.launch for a single step and by rlhf.pipeline for each step of a chain.
+"""Executing one step's plan (rlhf.preflight.plan): refuse it or record it in the run directory, then run the
+step in this process (one rank) or start its ranks through the DeepSpeed launcher (rlhf.launch.processes).
+Called by rlhf.launch for a single step and by rlhf.chain.pipeline for each step of a chain.
 
     python launch.py step=sft model=tiny-llama zero=3         # rlhf.launch.run -> run_step
     python launch.py step=ppo launch.dry_run=true              # the plan printed, nothing run
@@ -16,11 +16,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rlhf.config import Config, ConfigError
-from rlhf.forecast import duration
-from rlhf.launcher import launch_ranks, slurm_hostfile, slurm_node
-from rlhf.plan import Plan, build_plan
-from rlhf.probes import check_launchable, machine_problems
-from rlhf.provenance import refuse_changed_settings, start_over, write_run_dir
+from rlhf.launch.processes import launch_ranks, slurm_hostfile, slurm_node
+from rlhf.launch.provenance import refuse_changed_settings, start_over, write_run_dir
+from rlhf.preflight.forecast import duration
+from rlhf.preflight.plan import Plan, build_plan
+from rlhf.preflight.probes import check_launchable, machine_problems
 
 
 def write_forecast(plan: Plan) -> None:

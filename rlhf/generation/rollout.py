@@ -1,6 +1,6 @@
 """Prompt batches, generation and greedy evaluation shared by PPO (rollouts) and SFT (accuracy).
 
-    python -c "from rlhf.rollout import generate; ..."   # used by the runners
+    python -c "from rlhf.generation.rollout import generate; ..."   # used by the runners
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from rlhf import losses
 from rlhf.data.blend import DataReport
-from rlhf.decode import accepts, decode
 from rlhf.distributed import first_copies, rank_share, sum_over_ranks
-from rlhf.sampling import Sampling
+from rlhf.generation.decode import accepts, decode
+from rlhf.generation.sampling import Sampling
 
 
 @dataclass
@@ -183,9 +183,9 @@ def generate(actor, batch: dict, tokenizer, sampling: Sampling | int, *, gatheri
     their log-probs at the temperature) as ``decode`` gives them; ``static``: through the static
     (CUDA-graph) decode step, ``decode``'s ``static``.
 
-    Under ZeRO-3, ``gathering`` (``rlhf.memory.generation_gathering``) says how the actor generates:
+    Under ZeRO-3, ``gathering`` (``rlhf.preflight.memory.generation_gathering``) says how the actor generates:
     0, ZeRO-3's hooks gather one layer at a time, every token; 1, the whole actor held gathered for
-    the call; t > 1, in tensor-parallel slices over groups of t ranks (rlhf.shards).
+    the call; t > 1, in tensor-parallel slices over groups of t ranks (rlhf.generation.shards).
     """
     actor.eval()
     zero3 = actor.zero_optimization_stage() == 3
@@ -210,7 +210,7 @@ def _generate_sliced(actor, ids, mask, t: int, args: tuple, with_logprobs: bool)
     """``generate`` through tensor-parallel slices: the group decodes all its ranks' prompts as one
     batch (each rank's left-padded to the group's longest, its rows to the most, with copies of its
     first row) and each rank keeps its own rows."""
-    from rlhf import shards
+    from rlhf.generation import shards
 
     group, pad_id = shards.tp_group(t), args[2]
     shape = torch.tensor(ids.shape, device=ids.device)

@@ -4,7 +4,7 @@ SFT and PPO, as the truth PPO's rollouts are checked against, and (step.reward_f
 A rule takes (prompt text, answer text) and returns a float: 1.0 right, 0.0 wrong for the shipped
 tasks; any number for yours. A rule with a third parameter also receives the row's reference
 answer (its ``answer`` or ``chosen`` column), as verifiers of prompts with a checkable answer do:
-``math`` and ``exact`` ship (rlhf.verifiers). Name one from REWARD_FNS, or your own as ``package.module:function``
+``math`` and ``exact`` ship (rlhf.rewards.verifiers). Name one from REWARD_FNS, or your own as ``package.module:function``
 (imported from the working directory first, then PYTHONPATH). ``data.rule`` says which rule scores
 a dataset's answers (default: the shipped tasks' rule, wherever it parses every prompt);
 ``step.reward_fn=rule`` makes that rule PPO's reward, or name another one there.
@@ -22,9 +22,9 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from rlhf import verifiers
 from rlhf.data import synthetic
 from rlhf.errors import ConfigError
+from rlhf.rewards import verifiers
 
 RewardFn = Callable[[str, str], float]
 # Where a rule with a reference parameter finds each prompt's reference answer (built on first use).

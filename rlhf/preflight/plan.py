@@ -1,7 +1,7 @@
 """One step's launch, worked out before anything runs: compose (the validated schema) -> checks ->
 memory -> forecast -> the command that starts the ranks. Built once by ``build_plan``; the dry-run
 prints it (``Plan.text``), the launch refuses on it (``Plan.refuse``) and executes it
-(rlhf.launch_step).
+(rlhf.launch.step).
 
     python launch.py step=ppo launch.dry_run=true              # prints the plan of the PPO step
     python launch.py pipeline=e2e launch.dry_run=true          # one plan per step of the chain
@@ -17,7 +17,6 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf import memory
 from rlhf.config import (
     STEPS,
     Config,
@@ -31,9 +30,10 @@ from rlhf.config import (
     role_models,
     step_roles,
 )
-from rlhf.forecast import StepForecast, step_forecast
-from rlhf.forecast import table as forecast_table
-from rlhf.launcher import launch_command, per_node_text
+from rlhf.launch.processes import launch_command, per_node_text
+from rlhf.preflight import memory
+from rlhf.preflight.forecast import StepForecast, step_forecast
+from rlhf.preflight.forecast import table as forecast_table
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Plan:
 
     ``command`` is the DeepSpeed launcher command for several ranks, None for one rank (run in this
     process); inside a SLURM job step the node's own part (--node_rank, --master_addr) is read from
-    the allocation when the step starts (rlhf.launcher.slurm_node). ``problems`` are refusals whatever the memory says; ``fits`` is the memory verdict
+    the allocation when the step starts (rlhf.launch.processes.slurm_node). ``problems`` are refusals whatever the memory says; ``fits`` is the memory verdict
     alone (launch.force=true starts a step that does not fit, never one with problems)."""
 
     schema: Config
@@ -53,7 +53,7 @@ class Plan:
     nodes: list[str]  # several nodes: the per-node commands and the hostfile
     sizes: list[str]  # each model's sizes and where they come from
     problems: list[str]
-    memory: list  # rlhf.memory.estimate's per-role figures
+    memory: list  # rlhf.preflight.memory.estimate's per-role figures
     fits: bool
     forecast: StepForecast | None
     no_forecast: str = ""  # why there is none (no peak, unreadable data)
@@ -200,7 +200,7 @@ def budget_problems(schema: Config, keys: str = "") -> list[str]:
             or getattr(step, "truncated_answers", "keep") != "keep":
         return []
     from rlhf.data.blend import references
-    from rlhf.forecast import data_tokenizer
+    from rlhf.preflight.forecast import data_tokenizer
 
     try:
         tokenizer = data_tokenizer(schema)

@@ -2,7 +2,7 @@
 resolved config, the command, git state, library versions and environment (config.yaml,
 command.txt, run.json); and the settings diff against the run already there.
 
-    python -c "from rlhf.provenance import git_state; print(git_state())"
+    python -c "from rlhf.launch.provenance import git_state; print(git_state())"
 """
 
 from __future__ import annotations

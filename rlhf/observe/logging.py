@@ -1,7 +1,7 @@
 """Metrics: one JSON object per logged step in ``metrics.jsonl`` (rank 0), optionally wandb too,
 plus the throughput and memory figures DeepSpeed-Chat prints (samples/s, TFLOPs, latency, memory).
 
-    python -c "from rlhf.logging import MetricsLogger; ..."   # used by the runners
+    python -c "from rlhf.observe.logging import MetricsLogger; ..."   # used by the runners
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The forecast's rates and unit costs: the efficiency constants, what one device achieves (measured
 on CPU by short probes), FLOPs of a forward and a training pass, ZeRO's collectives, offload and
-decoding. How they combine into a step's forecast: rlhf/forecast/__init__.py.
+decoding. How they combine into a step's forecast: rlhf/preflight/forecast/__init__.py.
 
     python -m pytest tests/test_forecast.py
 """
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlhf.config import Config, ModelConfig
-from rlhf.memory import bytes_per_param, kv_width, param_counts, sizes, table_bytes
+from rlhf.preflight.memory import bytes_per_param, kv_width, param_counts, sizes, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
 # batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").
@@ -332,7 +332,7 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
     (``static_attended``), and where it is replayed as a CUDA graph (``graph``) the host dispatches
     nothing per layer, so the per-layer cost is gone.
 
-    ``shards`` > 1: each device holds a tensor-parallel slice (rlhf.shards) and its group of
+    ``shards`` > 1: each device holds a tensor-parallel slice (rlhf.generation.shards) and its group of
     ``shards`` devices decodes all their chunks together. Per device the FLOPs and KV cache are
     those of its own chunk, the layers' weights read are 1/shards (the embedding and head whole),
     and every layer adds two all-reduces of the group's activations within the node."""
@@ -360,9 +360,9 @@ def generation_s(m: ModelConfig, seqs: int, chunk: int, prompt: int, answer: int
 
 def static_attended(prompt: int, answer: int) -> float:
     """The cache positions the static decode step attends over, on average over the answer's tokens:
-    each token's position + 1 rounded up to a multiple of rlhf.decode.STATIC_SPAN, at most prompt +
+    each token's position + 1 rounded up to a multiple of rlhf.generation.decode.STATIC_SPAN, at most prompt +
     answer (with no spans, always the whole cache)."""
-    from rlhf.decode import static_span
+    from rlhf.generation.decode import static_span
 
     length = prompt + answer
     if answer <= 0:

@@ -2,7 +2,7 @@
 submitit's own SlurmExecutor from the composed hydra.launcher config, and printed without submitting
 anything (no SLURM needed): check nodes, GPUs, time limit and partition before queueing a job.
 
-    python -m rlhf.slurm experiment=opt-66b_64xa100-80g hydra.launcher.partition=gpu
+    python -m rlhf.launch.slurm experiment=opt-66b_64xa100-80g hydra.launcher.partition=gpu
 
 The parameters reach submitit as hydra-submitit-launcher's BaseSubmititLauncher.launch passes them
 (hydra_plugins/hydra_submitit_launcher/submitit_launcher.py): the executor folder and
@@ -33,7 +33,7 @@ class _PreviewExecutor(SlurmExecutor):
         return 1  # SlurmExecutor refuses to be built without srun on PATH
 
     def _submit_command(self, command: str):
-        raise RuntimeError("rlhf.slurm only previews the sbatch script; submit with python launch.py -m hydra/launcher=slurm")
+        raise RuntimeError("rlhf.launch.slurm only previews the sbatch script; submit with python launch.py -m hydra/launcher=slurm")
 
 
 def compose_with_hydra(overrides: list[str]) -> DictConfig:

@@ -191,7 +191,7 @@ def _log_axis(key: str, x: list[float]) -> bool:
 
 def _job_curve(sweep_dir: Path, row: dict, key: str) -> tuple[list[float], list[float]]:
     """A job's logged ``key`` by step: its metrics.jsonl, or a chain's last step's."""
-    from rlhf.curves import load_run
+    from rlhf.observe.curves import load_run
 
     job = sweep_dir / row["job"]
     if not (job / "metrics.jsonl").exists() and (job / "manifest.json").exists():

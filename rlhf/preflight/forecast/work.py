@@ -7,7 +7,7 @@ padded lengths under the run's tokenizer, and whether a rule scores it.
 from __future__ import annotations
 
 from rlhf.config import STEPS, Config, ModelConfig, role_models
-from rlhf.memory import param_counts
+from rlhf.preflight.memory import param_counts
 
 
 # ----------------------------------------------------------------------------------- work

@@ -2,8 +2,8 @@
 whether a hub model can be loaded here, how the CPU does bf16, and whether the devices, cores and
 hostfile the hardware preset asks for are there.
 
-    python -c "from rlhf.probes import hub_unreachable; print(hub_unreachable('facebook/opt-125m'))"
-    python -c "from rlhf.probes import cpu_bf16; print(cpu_bf16())"
+    python -c "from rlhf.preflight.probes import hub_unreachable; print(hub_unreachable('facebook/opt-125m'))"
+    python -c "from rlhf.preflight.probes import cpu_bf16; print(cpu_bf16())"
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Where a composed config goes: one step (its plan, rlhf.plan, executed by rlhf.launch_step) or a
-chain of steps (rlhf.pipeline, one plan per step).
+"""Where a composed config goes: one step (its plan, rlhf.preflight.plan, executed by rlhf.launch.step) or a
+chain of steps (rlhf.chain.pipeline, one plan per step).
 ``launch.py`` at the top level is the Hydra entry that calls ``run``; tests call ``run`` directly
 with a config from ``rlhf.config.compose_config``.
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rlhf import launch_step, pipeline
+from rlhf.chain import pipeline
 from rlhf.config import Config, to_schema
+from rlhf.launch import step as launch_step
 
 
 def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] | None = None) -> dict:

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf import ranks
 from rlhf.config import PROJECT_ROOT, Config, ConfigError, DataError
 from rlhf.errors import DiskFullError
 from rlhf.files import write_whole
+from rlhf.launch import ranks
 
 
 def launch_command(cfg: Config, run_dirs: list[Path]) -> list[str]:
@@ -82,7 +82,7 @@ def _rank_env(run_dirs: list[Path], ranks_dir: Path) -> dict[str, str]:
     """The ranks' environment: this process's, without a single-process rendezvous (tests run steps
     in-process first), with the folder the run was started in importable (a user's module named in
     the config, data.rule=my_task:score, imports as in a one-rank run: the ranks run from the project
-    root), and the markers by which a rank reports its end (rlhf.ranks) and leaves a user's error in
+    root), and the markers by which a rank reports its end (rlhf.launch.ranks) and leaves a user's error in
     error.json for this process to say once."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT")}
@@ -119,7 +119,7 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     the final metrics of each run directory, or the rank's error as this process's own."""
     cmd = launch_command(cfg, run_dirs)
     print("launching:", shlex.join(cmd), flush=True)
-    # Each rank says where it ran and how it ended (rlhf.ranks), so a failed launch names the lost rank.
+    # Each rank says where it ran and how it ended (rlhf.launch.ranks), so a failed launch names the lost rank.
     ranks_dir = Path(os.path.commonpath(run_dirs)) / "ranks"
     node = max(cfg.launch.node_rank, 0)
     per_node = cfg.hardware.devices_per_node

@@ -1,5 +1,5 @@
 """Whether a chain's next step can work, judged before it starts from the final figures of the steps
-before it: the one-line refusals of pipeline.on_weak_step. Used by the chain (rlhf.pipeline) and,
+before it: the one-line refusals of pipeline.on_weak_step. Used by the chain (rlhf.chain.pipeline) and,
 in a launch of several ranks, by each step's worker (rlhf.worker).
 
     python launch.py pipeline=e2e   # the chain asks weak_step before each step

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlhf.generation.sampling import Sampling
 from rlhf.losses import token_logprobs
-from rlhf.sampling import Sampling
 
 
 def _filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -255,7 +255,7 @@ class _Cache:
             bias = None if modules[0].bias is None else torch.cat([m.bias.float() for m in modules])
             weights = self.fp32[modules] = (torch.cat([m.weight.float() for m in modules]), bias)
         out = _as(F.linear(_as(x, torch.float32), *weights), x.dtype)
-        # Sizes from the weights: a tensor-parallel slice (rlhf.shards) keeps the module's out_features.
+        # Sizes from the weights: a tensor-parallel slice (rlhf.generation.shards) keeps the module's out_features.
         return list(out.split([m.weight.shape[0] for m in modules], dim=-1))
 
     @staticmethod
@@ -352,7 +352,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, samplin
            **settings):
     """New tokens [batch, <= max_new_tokens] for left-padded prompts; after a row's eos, pad.
 
-    ``sampling``: how tokens are drawn (rlhf.sampling.Sampling), or its short form, max_new_tokens
+    ``sampling``: how tokens are drawn (rlhf.generation.sampling.Sampling), or its short form, max_new_tokens
     with the other settings as keywords (``decode(model, ids, mask, 8, eos, pad, do_sample=True)``).
 
     ``with_logprobs``: (tokens, logprobs), each new token's log-probability under the softmax of
@@ -368,14 +368,14 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, samplin
     over their own tokens equally closely: bench/gpu.sh's decode phase). Families
     without a forward of ours decode the default way (a one-line notice says so).
 
-    ``tp_group``: ``model`` is this rank's tensor-parallel slice (rlhf.shards) and the group decodes
+    ``tp_group``: ``model`` is this rank's tensor-parallel slice (rlhf.generation.shards) and the group decodes
     the same rows; every token is the group's first rank's draw, so the group never parts.
     """
     sampling = Sampling.coerce(sampling, settings)
     max_new_tokens = sampling.max_new_tokens
     own = _own_forward(model, input_ids.shape[1] + max_new_tokens)
     if static and own is None:
-        _notice(f"[decode] {type(_base(model)).__name__}: no static decode step for this family (rlhf.decode.FORWARDS)"
+        _notice(f"[decode] {type(_base(model)).__name__}: no static decode step for this family (rlhf.generation.decode.FORWARDS)"
                 " or its weights are partitioned (ZeRO-3 without gathering whole); decoding through its own forward")
         static = False
     if static:

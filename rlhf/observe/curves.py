@@ -1,6 +1,6 @@
 """A run's curves: ``curves.png`` in its folder, drawn from metrics.jsonl and final_metrics.json at
 the end of the step and refreshed at each checkpoint, and the same panels for several runs laid
-over each other (rlhf.report).
+over each other (rlhf.observe.report).
 
 Panels are chosen by the metrics a run logged, not by the step's name: a panel appears where one of
 its keys was logged, so SFT gets loss / accuracy / lr, the reward model pairwise accuracy and
@@ -8,7 +8,7 @@ margin, PPO and the critic-free methods reward, KL, entropy, clip fraction, ... 
 that logs the same keys gets the same panels. Warnings that name a step ("step 6: reward hacking")
 and a readiness stop are marked where they happened; every warning is written under the panels.
 
-    python -m rlhf.curves RUN_DIR          # (re)draw RUN_DIR/curves.png
+    python -m rlhf.observe.curves RUN_DIR          # (re)draw RUN_DIR/curves.png
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ over each other on the panels of curves.png, one block per step, with each chain
 against its actual time; report.png, and report.html (the figure embedded, the final figures table
 and the config keys that differ between the runs) in --out.
 
-    python -m rlhf.report RUN [RUN ...] [--out DIR]     # default DIR: RUN/report for one run, else beside the runs
+    python -m rlhf.observe.report RUN [RUN ...] [--out DIR]     # default DIR: RUN/report for one run, else beside the runs
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf.curves import Run, draw_panels, load_run, panels_for
+from rlhf.observe.curves import Run, draw_panels, load_run, panels_for
 
 # Keys that differ between any two runs and say nothing about them.
 _SAME_IN_SPIRIT = ("run_dir",)
@@ -41,7 +41,7 @@ def expand(path: Path) -> list[tuple[str, Path]]:
 def flat_config(run_dir: Path) -> dict[str, object]:
     from omegaconf import OmegaConf
 
-    from rlhf.provenance import flat_keys
+    from rlhf.launch.provenance import flat_keys
 
     path = run_dir / "config.yaml"
     return flat_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False)) if path.exists() else {}
@@ -182,7 +182,7 @@ def _beside(runs: list[Path]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rlhf.observe.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders, chain folders or sweep folders")
     parser.add_argument("--out", type=Path, default=None, help="where report.png and report.html go "
                         "(default: RUN/report for one run, else report/ in the folder that holds them all)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 
 from rlhf.config import STEPS, Config, ppo_updates_per_step, role_models, step_roles
-from rlhf.forecast.rates import (
+from rlhf.preflight.forecast.rates import (
     BANDWIDTH_EFFICIENCY,
     COMM_EFFICIENCY,
     CPU_ADAM_BYTES,
@@ -54,7 +54,7 @@ from rlhf.forecast.rates import (
     train_flops,
     zero_comm_s,
 )
-from rlhf.forecast.work import (
+from rlhf.preflight.forecast.work import (
     _READ,
     _critic_model,
     data_tokenizer,
@@ -63,8 +63,8 @@ from rlhf.forecast.work import (
     step_data,
     step_rows,
 )
-from rlhf.memory import bytes_per_param, generation_gathering, param_counts
-from rlhf.probes import extensions_root
+from rlhf.preflight.memory import bytes_per_param, generation_gathering, param_counts
+from rlhf.preflight.probes import extensions_root
 
 
 def forecast(cfg: Config, rows: int = 0, part_rows: int = 0, rates: Rates | None = None,
@@ -255,7 +255,7 @@ def _ppo_generation_s(cfg: Config, prompt: int, rates: Rates, notes: list[str]) 
             gathering, f"the actor gathered once per call into tensor-parallel slices over {gathering} ranks"))
     shards = max(gathering, 1)
     # The static step replays as a CUDA graph only where the actor is whole on the device (not under
-    # ZeRO-3's layerwise gathering, rlhf.decode._own_forward, nor in tensor-parallel slices, which
+    # ZeRO-3's layerwise gathering, rlhf.generation.decode._own_forward, nor in tensor-parallel slices, which
     # decode eagerly) and on a GPU.
     static = step.decode_graph and gathering == 1
     graph = static and hw.accelerator != "cpu"
@@ -328,7 +328,7 @@ def _ppo_evaluation_s(cfg: Config, steps: int, prompt: int, chunk: int, shards: 
         greedy += forward_flops(critic, per_rank * seq, seq / 2, False) / rates.flops
     check = 0.0
     if has_reward and rule_scores_data(cfg):
-        from rlhf.readiness import POLICY_CHECK_SAMPLES
+        from rlhf.chain.readiness import POLICY_CHECK_SAMPLES
 
         samples = -(-step.eval_prompts * POLICY_CHECK_SAMPLES // world)
         check = generation_s(actor, samples, chunk, prompt, answer, precision, rates, shards=shards) \

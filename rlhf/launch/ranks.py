@@ -7,7 +7,7 @@ SIGINT reached it (the launcher terminates the other ranks as soon as one fails)
 outright (SIGKILL, the out-of-memory killer, a machine that went down) writes nothing more: after
 the launch, the ranks still marked "running" are the lost ones.
 
-    python -c "from rlhf.ranks import lost_ranks_report"   # used by rlhf.worker and rlhf.launcher
+    python -c "from rlhf.launch.ranks import lost_ranks_report"   # used by rlhf.worker and rlhf.launch.processes
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlhf.files import write_whole
 
-# Set by the process that starts the launcher (rlhf.launcher.launch_ranks) for its ranks.
+# Set by the process that starts the launcher (rlhf.launch.processes.launch_ranks) for its ranks.
 ENV = "RLHF_RANKS_DIR"
 
 

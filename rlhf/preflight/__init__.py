@@ -1,0 +1,1 @@
+"""Before anything runs: the plan of a step, its memory pre-flight, its time and cost forecast, the machine's probes."""
