@@ -64,9 +64,16 @@ def test_refuses_13b_full_finetune_on_one_a6000(tmp_path):
     assert not (tmp_path / "config.yaml").exists()
 
 
-def test_force_lets_a_run_past_the_verdict():
-    cfg = to_schema(compose(["step=sft", "model=opt-13b", "hardware=a6000", "zero=0", "launch.force=true"]))
-    assert cfg.launch.force
+def test_force_lets_a_run_past_the_memory_verdict_and_nothing_else(tmp_path):
+    args = ["step=sft", "model=opt-13b", "hardware=a6000", "zero=0", "launch.dry_run=true", f"run_dir={tmp_path}"]
+    refused = run(compose(args), overrides=args)["refused"]
+    assert len(refused) == 1 and "does not fit" in refused[0], refused
+    forced = [*args, "launch.force=true"]
+    verdict = run(compose(forced), overrides=forced)
+    assert verdict["refused"] == [] and not verdict["fits"], verdict
+    # A refusal of another kind stays: force is about memory only.
+    missing = [*forced, f"model.path={tmp_path / 'no-such-model'}"]
+    assert any("no-such-model" in why for why in run(compose(missing), overrides=missing)["refused"])
 
 
 @pytest.mark.parametrize("model", ["opt-1.3b", "llama2-7b", "opt-13b"])

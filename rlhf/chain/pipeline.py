@@ -229,20 +229,22 @@ def skip_unused(cfg: DictConfig, steps: list[str], overrides: list[str], outputs
     """The chain's steps without a reward model that nothing downstream would use: PPO rewarded by the
     rule alone (step.reward_model_weight=0) with a critic-free estimator reads neither its score
     nor its weights (the critic starts from them). Also returns why each left-out step was left out."""
-    # The steps that take the reward model's output (its spec's chain_inputs): skipped only where each
-    # of them builds neither a critic (which starts from it) nor a reward model.
-    readers = [s for s in steps if any(source == "reward" for _, source, _ in STEPS[s].chain_inputs)]
-    if "reward" not in steps or not readers:
+    # The reward model's step: the one whose output a later step takes as its critic (and scorer).
+    rm_step = next((src for s in steps if (src := STEPS[s].source_of("critic.path")) in steps), None)
+    # The steps that take its output (their spec's chain_inputs): it is skipped only where each of them
+    # builds neither a critic (which starts from it) nor a reward model.
+    readers = [s for s in steps if any(source == rm_step for _, source, _ in STEPS[s].chain_inputs)]
+    if rm_step is None or not readers:
         return steps, {}
     built = {s: to_schema(step_config(cfg, s, overrides, outputs, chain_dir)[0]) for s in readers}
     if any({r.name for r in step_roles(schema)} & {"critic", "reward"} for schema in built.values()):
         return steps, {}
-    ppo = next(iter(built.values())).step
-    why = (f"PPO's reward is the rule alone (step.reward_model_weight=0) and {ppo.advantage_estimator} builds no "
-           "critic, so nothing would use a reward model")
-    print(f"[e2e] {title('reward', cfg.pipeline.steps)}: skipped: {why}", flush=True)
-    outputs.pop("reward", None)
-    return [s for s in steps if s != "reward"], {"reward": why}
+    reader, policy = next(iter(built.items()))
+    why = (f"{STEPS[reader].label}'s reward is the rule alone (step.reward_model_weight=0) and "
+           f"{policy.step.advantage_estimator} builds no critic, so nothing would use a reward model")
+    print(f"[e2e] {title(rm_step, cfg.pipeline.steps)}: skipped: {why}", flush=True)
+    outputs.pop(rm_step, None)
+    return [s for s in steps if s != rm_step], {rm_step: why}
 
 
 def _figure(metrics: dict, key: str, label: str, percent: bool = True) -> str | None:

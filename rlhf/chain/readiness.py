@@ -22,8 +22,10 @@ RUN_ANYWAY = "or pipeline.on_weak_step=warn runs it anyway"
 # rollout batch for 4 update passes (TRL's num_ppo_epochs), which a task learned slowly from a 0/1
 # reward needs; against a reward model the chain keeps one, as more find its mistakes sooner
 # (docs/design-notes.md has the figures).
-RULE_REWARD_FIX = ("pipeline.ppo.step.reward_fn=rule pipeline.ppo.step.reward_model_weight=0 "
-                   "pipeline.ppo.step.ppo_epochs=4")
+def rule_reward_fix(name: str) -> str:
+    """The overrides that make the user's rule the chain's step ``name``'s only reward."""
+    return (f"pipeline.{name}.step.reward_fn=rule pipeline.{name}.step.reward_model_weight=0 "
+            f"pipeline.{name}.step.ppo_epochs=4")
 # PPO's start check (rlhf.runners.ppo_judge.policy_check): sampled answers per select prompt, 1024 for the
 # default 256 prompts.
 POLICY_CHECK_SAMPLES = 4
@@ -53,19 +55,22 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
     """Why the chain's step ``name`` cannot work, judged from the final figures of the steps before it
     in ``chain_dir`` and the chain's floors (``pipe``: its pipeline settings); None if nothing says so.
     One line: the figure, why it dooms the step, and the override that fixes it."""
-    def final(prev: str) -> dict:
+    def final(prev: str | None) -> dict:
         return chain_final(chain_dir, prev) if prev in steps else {}
 
-    if "reward_accuracy" in STEPS[name].checks:
-        rm = final("reward").get("eval/acc")
+    spec, at = STEPS[name], steps.index(name)
+    # The steps judged are found by what they make (the spec's chain_inputs), never by their names.
+    rm_step = spec.source_of("critic.path")
+    if "reward_accuracy" in spec.checks and rm_step:
+        rm = final(rm_step).get("eval/acc")
         if pipe.reward_min_accuracy and rm is not None and rm < pipe.reward_min_accuracy \
                 and step.step.reward_model_weight > 0:
-            stopped = str(final("reward").get("stopped_by", ""))
+            stopped = str(final(rm_step).get("stopped_by", ""))
             # The fix changes what ended the reward step: a cap is raised; a plateau is a model that
             # has learned what these pairs teach, so only more pairs or the rule can help.
             longer = ("it stopped learning on these pairs (" + stopped + "): train it on more pairs"
                       if "early_stop_patience" in stopped else
-                      "train it longer (" + cap_fix("reward", stopped, chain_dir) + ") or on more pairs")
+                      "train it longer (" + cap_fix(rm_step, stopped, chain_dir) + ") or on more pairs")
             weak = (f"the reward model's held-out pairwise accuracy {rm:.3f} is below pipeline.reward_min_accuracy="
                     f"{pipe.reward_min_accuracy}: PPO finds and exploits a weak reward model's mistakes. ")
             if not step.data.rule:
@@ -73,65 +78,68 @@ def weak_step(pipe, name: str, step: Config, chain_dir: Path, steps: list[str]) 
             # The user's rule is the reward the model only approximates, and cannot be gamed: the first
             # fix where there is one (a longer schedule or more pairs may not reach the floor at all).
             return (weak + f"Reward PPO with your rule instead ({step.data.rule}; it cannot be gamed, so each rollout "
-                    f"batch gets 4 update passes): {RULE_REWARD_FIX}; or {longer}")
-    after_sft = "sft" in steps and steps.index("sft") == steps.index(name) - 1
-    # The policy's accuracy dooms PPO whatever comes between: judged as soon as SFT's figures exist,
-    # so that no reward model trains for a PPO that cannot start.
-    if any("policy_accuracy" in STEPS[s].checks for s in (steps[steps.index(name):] if after_sft else [name])) \
-            and (why := _policy_too_weak(pipe, final("sft"), chain_dir)):
+                    f"batch gets 4 update passes): {rule_reward_fix(name)}; or {longer}")
+    # The step right before, where it trains the policy on reference answers (SFT): its figures are
+    # judged as soon as they exist.
+    sup = steps[at - 1] if at and STEPS[steps[at - 1]].supervised_policy else None
+    # The policy's accuracy dooms PPO whatever comes between, so that no reward model trains for a PPO
+    # that cannot start.
+    judged = [s for s in (steps[at:] if sup else [name]) if "policy_accuracy" in STEPS[s].checks]
+    policy = sup or (spec.source_of("actor.path") if judged else None)
+    if judged and policy and (why := _policy_too_weak(pipe, final(policy), chain_dir, policy)):
         return why
-    if pipe.sft_beyond_constant and after_sft and (why := _only_a_constant(final("sft"), chain_dir)):
+    if pipe.sft_beyond_constant and sup and (why := _only_a_constant(final(sup), chain_dir, sup)):
         return why
-    if pipe.sft_loss_still_falling and after_sft:
-        sft = final("sft")
-        f = chain_dir / "sft" / "metrics.jsonl"
+    if pipe.sft_loss_still_falling and sup:
+        sft = final(sup)
+        f = chain_dir / sup / "metrics.jsonl"
         losses = [row["eval/loss"] for row in map(json.loads, f.open()) if "eval/loss" in row] if f.exists() else []
         # Whether SFT's own stop rule fired: it reads the select half (select/accuracy).
-        step_stop = sft.get("select/accuracy_bar", _sft_stop_at(chain_dir))
+        step_stop = sft.get("select/accuracy_bar", _stop_at_accuracy(chain_dir, sup))
         reached = sft.get("select/accuracy", -1.0) >= step_stop
         if len(losses) >= 2 and not reached and losses[-2] > 0:
             drop = (losses[-2] - losses[-1]) / losses[-2]
             if drop > pipe.sft_loss_still_falling:
-                return (f"SFT stopped with its held-out loss still falling ({losses[-2]:.3f} -> {losses[-1]:.3f}, "
+                return (f"{STEPS[sup].label} stopped with its held-out loss still falling ({losses[-2]:.3f} -> {losses[-1]:.3f}, "
                         f"{drop:.0%} over its last evaluation interval, more than pipeline.sft_loss_still_falling="
                         f"{pipe.sft_loss_still_falling}"
                         + (f"; held-out accuracy {sft['select/accuracy']:.1%} < {step_stop}"
                            if step_stop < 2 and "select/accuracy" in sft else "")
-                        + "): it was not ready. " + sft_fix(sft, chain_dir))
+                        + "): it was not ready. " + sft_fix(sft, chain_dir, sup))
     return None
 
 
-def _policy_too_weak(pipe, sft: dict, chain_dir: Path) -> str | None:
-    """SFT's held-out accuracy by the rule below pipeline.min_policy_accuracy: PPO samples almost no
-    right answer to reinforce. The fix follows what ended SFT, so that following it changes that."""
+def _policy_too_weak(pipe, sft: dict, chain_dir: Path, policy: str) -> str | None:
+    """The policy's held-out accuracy by the rule (the figures of ``policy``, the chain's step that
+    trained it) below pipeline.min_policy_accuracy: PPO samples almost no right answer to reinforce.
+    The fix follows what ended that step, so that following it changes that."""
     acc = sft.get("eval/accuracy")
     if not pipe.min_policy_accuracy or acc is None or acc >= pipe.min_policy_accuracy:
         return None
-    return (f"the SFT policy's held-out accuracy by the rule is {acc:.1%}, below pipeline.min_policy_accuracy="
-            f"{pipe.min_policy_accuracy}: PPO can only reinforce right answers it samples, and it samples almost none. "
-            + sft_fix(sft, chain_dir))
+    return (f"the {STEPS[policy].label} policy's held-out accuracy by the rule is {acc:.1%}, below "
+            f"pipeline.min_policy_accuracy={pipe.min_policy_accuracy}: PPO can only reinforce right answers it "
+            "samples, and it samples almost none. " + sft_fix(sft, chain_dir, policy))
 
 
-def sft_fix(sft: dict, chain_dir: Path) -> str:
-    """The override that changes what ended an SFT that was not ready: its loss-plateau stop (a plateau
-    at near-zero accuracy points to a learning rate too high for the task, docs/design-notes.md), or
-    its cap on steps or epochs."""
-    stopped = str(sft.get("stopped_by", ""))
-    budget = _step_config(chain_dir, "sft").get("step", {}).get("max_new_tokens")
-    if why := cut_answers(sft, budget, "pipeline.sft.step.max_new_tokens"):
+def sft_fix(sft: dict, chain_dir: Path, name: str) -> str:
+    """The override that changes what ended the chain's step ``name`` (SFT) that was not ready: its
+    loss-plateau stop (a plateau at near-zero accuracy points to a learning rate too high for the
+    task, docs/design-notes.md), or its cap on steps or epochs."""
+    stopped, label, keys = str(sft.get("stopped_by", "")), STEPS[name].label, f"pipeline.{name}."
+    cfg = _step_config(chain_dir, name)
+    if why := cut_answers(sft, cfg.get("step", {}).get("max_new_tokens"), f"{keys}step.max_new_tokens"):
         return "Not the training: " + why
     if "early_stop_patience" in stopped:
         # A start over at the configured rate lowered once (the step's own drops continue a plateaued
         # model and do not replace it).
-        cfg = _step_config(chain_dir, "sft")
         lr = cfg.get("optim", {}).get("lr")
         factor = cfg.get("step", {}).get("plateau_lr_factor", 3)
-        lower = f"pipeline.sft.optim.lr={lr / factor:.2g} " if lr else ""
-        return (f"SFT stopped on its loss plateau ({stopped}); the likely cause is a learning rate too high for the "
-                f"task: {lower}pipeline.sft.step.early_stop_patience=0 (a lower rate, trained until its "
+        lower = f"{keys}optim.lr={lr / factor:.2g} " if lr else ""
+        return (f"{label} stopped on its loss plateau ({stopped}); the likely cause is a learning rate too high for "
+                f"the task: {lower}{keys}step.early_stop_patience=0 (a lower rate, trained until its "
                 "accuracy bar or its epoch cap)")
-    return "SFT stopped at its cap" + (f" ({stopped})" if stopped else "") + ": train it longer, " + \
-        cap_fix("sft", stopped, chain_dir)
+    return f"{label} stopped at its cap" + (f" ({stopped})" if stopped else "") + ": train it longer, " + \
+        cap_fix(name, stopped, chain_dir)
 
 
 def cap_fix(name: str, stopped: str, chain_dir: Path) -> str:
@@ -178,7 +186,7 @@ def with_fix(overrides: list[str], fix: list[str]) -> list[str]:
     return [o for o in overrides if o.split("=", 1)[0] not in keys] + fix
 
 
-def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
+def _only_a_constant(sft: dict, chain_dir: Path, name: str) -> str | None:
     """SFT ended no better than the best constant answer, beyond the noise of two evaluations of its
     report prompts (two standard errors of their difference, over their real number): it learned
     which answer is common, not the task. Both figures are of the report half, which neither SFT's
@@ -189,20 +197,20 @@ def _only_a_constant(sft: dict, chain_dir: Path) -> str | None:
         return None
     n = int(n)
     stopped = str(sft.get("stopped_by", ""))
-    sft = _step_config(chain_dir, "sft")
+    sft, label, keys = _step_config(chain_dir, name), STEPS[name].label, f"pipeline.{name}."
     noise = 2 * (2 * constant * (1 - constant) / n) ** 0.5
     if acc - constant > noise:
         return None
     # Where a cap ended SFT, following the fix must also raise that cap, or the next run stops there again.
-    cap = (" " + cap_fix("sft", stopped, chain_dir)) if "the cap" in stopped else ""
+    cap = (" " + cap_fix(name, stopped, chain_dir)) if "the cap" in stopped else ""
     # A count task's SFT sat at the constant's accuracy at lr 3e-3 for 4,000 steps (also with twice
     # the layers, or 4x the patience); at 1e-3 it passed its bar after 2,355 (59%, constant 41%).
     lr = sft.get("optim", {}).get("lr")
-    lower = f"pipeline.sft.optim.lr={lr / 3:.2g} " if lr else ""
-    return (f"SFT's held-out accuracy {acc:.1%} is within the noise ({noise:.1%} over {n} prompts) of always giving "
+    lower = f"{keys}optim.lr={lr / 3:.2g} " if lr else ""
+    return (f"{label}'s held-out accuracy {acc:.1%} is within the noise ({noise:.1%} over {n} prompts) of always giving "
             f"the best single answer ({constant:.1%}): the model learned which answer is common, not the task, "
-            "and RLHF seldom teaches what SFT could not. Try a lower learning rate trained until its accuracy bar "
-            f"or its epoch cap ({lower}pipeline.sft.step.early_stop_patience=0{cap}), a larger model, or more or "
+            f"and RLHF seldom teaches what {label} could not. Try a lower learning rate trained until its accuracy "
+            f"bar or its epoch cap ({lower}{keys}step.early_stop_patience=0{cap}), a larger model, or more or "
             "simpler rows")
 
 
@@ -220,20 +228,23 @@ def reward_misjudges_policy(pipe, figures: dict, scored: list[dict], rule: str, 
     wrong = next((r for r in scored if r["rule"] == 0 and r["rm_score"] > median_right), None)
     example = (f", e.g. {wrong['prompt'].strip()!r} -> {wrong['answer'].strip()!r} scored {wrong['rm_score']:.2f}, above "
                f"the median right answer's {median_right:.2f}" if wrong else "")
-    reward = chain_final(run_dir.parent, "reward")
+    rm_step = STEPS[run_dir.name].source_of("critic.path") if run_dir.name in STEPS else None
+    reward = chain_final(run_dir.parent, rm_step) if rm_step else {}
     pairs = reward.get("eval/acc")
     held_out = f" (on its held-out pairs: {pairs:.3f})" if pairs is not None else ""
     # The reward model may already have trained on the policy's own answers (step.policy_pairs_prompts).
     own = int(reward.get("policy_pairs_prompts", 0))
-    more = (f"Train it on the policy's answers to more prompts than {own} (pipeline.reward.step.policy_pairs_prompts="
+    keys = f"pipeline.{rm_step}." if rm_step else ""
+    more = (f"Train it on the policy's answers to more prompts than {own} ({keys}step.policy_pairs_prompts="
             f"{4 * own}), or add answers like these to your pairs as rejected" if own else
             "Add answers like these to your pairs as rejected, or let the chain draw them "
-            "(pipeline.reward.step.policy_pairs_prompts=4096)")
+            f"({keys}step.policy_pairs_prompts=4096)")
     return (f"the reward model separates the policy's own sampled answers, right from wrong by the rule, with AUC "
             f"{auc:.3f}{held_out}, below pipeline.reward_min_policy_auc={pipe.reward_min_policy_auc}: it scores "
             f"mistakes this policy makes as right{example}, and PPO would learn them. {more} "
             f"({run_dir / 'policy_check.jsonl'} has every scored answer), or reward PPO "
-            f"with the rule ({rule}; it cannot be gamed, so each rollout batch gets 4 update passes): {RULE_REWARD_FIX}")
+            f"with the rule ({rule}; it cannot be gamed, so each rollout batch gets 4 update passes): "
+            f"{rule_reward_fix(run_dir.name)}")
 
 
 # Prompts the start check samples groups for, and the least fraction of them whose answers must score
@@ -296,9 +307,9 @@ def accuracy_bar(stop_at: float, constant: float) -> float:
     return constant + stop_at * (1.0 - constant)
 
 
-def _sft_stop_at(chain_dir: Path) -> float:
-    """The SFT step's step.stop_at_accuracy from its resolved config (2, never reached, if unset)."""
-    value = _step_config(chain_dir, "sft").step.get("stop_at_accuracy")
+def _stop_at_accuracy(chain_dir: Path, name: str) -> float:
+    """The chain's step ``name``'s step.stop_at_accuracy from its resolved config (2, never reached, if unset)."""
+    value = _step_config(chain_dir, name).step.get("stop_at_accuracy")
     return 2.0 if value is None else float(value)
 
 

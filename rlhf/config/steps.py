@@ -79,6 +79,42 @@ class StepConfig:
         """Whether this run of the step builds ``role`` of its spec (a setting can leave one out)."""
         return True
 
+    # What the plan, the memory pre-flight and the forecast ask a step, answered by its schema (a step
+    # without the setting gives the default here), so that none of them probes for a key.
+    def offloads(self, role: str) -> bool:
+        """Whether the frozen ``role`` lives in host memory (step.offload_<role>)."""
+        return bool(getattr(self, f"offload_{role}", False))
+
+    def greedy_eval_prompts(self) -> int:
+        """Held-out prompts answered greedily and judged by the rule at each evaluation (0: none)."""
+        return 0
+
+    def answer_budget(self) -> int | None:
+        """The longest answer it generates for a rule to judge (step.max_new_tokens); None where it
+        generates none."""
+        return None
+
+    def cut_answers_setting(self) -> str | None:
+        """What answers cut at the budget get (step.truncated_answers); None where the step has no say."""
+        return None
+
+    def stops_when_ready(self) -> bool:
+        """Whether a readiness rule (an accuracy bar, a plateau) can end it before its cap."""
+        return bool(getattr(self, "early_stop_patience", 0))
+
+    def policy_pairs(self) -> tuple[int, int]:
+        """(prompts, answers per prompt) of the pairs drawn from the policy's own answers before training."""
+        return 0, 0
+
+    def zero3_mode(self) -> tuple[str, bool]:
+        """How a ZeRO-3 generate call holds the model (step.zero3_generation), and whether the step has
+        that key: a step without it (SFT's accuracy eval) lets the pre-flight choose (auto)."""
+        return "auto", False
+
+    def generation_tp(self) -> int:
+        """Ranks per tensor-parallel generation group (step.generation_tp_size; 0: a node's devices)."""
+        return 0
+
 
 @dataclass
 class GreedyEvalStepConfig(StepConfig):
@@ -96,6 +132,12 @@ class GreedyEvalStepConfig(StepConfig):
         super().__post_init__()
         _positive("step.eval_accuracy_prompts", self.eval_accuracy_prompts, allow_zero=True)
         _positive("step.max_new_tokens", self.max_new_tokens)
+
+    def greedy_eval_prompts(self) -> int:
+        return self.eval_accuracy_prompts
+
+    def answer_budget(self) -> int | None:
+        return self.max_new_tokens if self.eval_accuracy_prompts else None
 
 
 @dataclass
@@ -137,6 +179,9 @@ class SFTStepConfig(GreedyEvalStepConfig):
         if self.stop_at_accuracy is not None and (self.eval_accuracy_prompts == 0 or self.eval_every_steps == 0):
             raise ConfigError("step.stop_at_accuracy needs step.eval_accuracy_prompts > 0 and step.eval_every_steps > 0")
 
+    def stops_when_ready(self) -> bool:
+        return self.stop_at_accuracy is not None or bool(self.early_stop_patience)
+
 
 @dataclass
 class RewardStepConfig(StepConfig):
@@ -174,6 +219,9 @@ class RewardStepConfig(StepConfig):
         _positive("step.early_stop_patience", self.early_stop_patience, allow_zero=True)
         _positive("step.score_regularizer", self.score_regularizer, allow_zero=True)
         _positive("step.rule_check_answers", self.rule_check_answers, allow_zero=True)
+
+    def policy_pairs(self) -> tuple[int, int]:
+        return self.policy_pairs_prompts, self.policy_pairs_answers
 
 
 @dataclass
@@ -555,6 +603,18 @@ class PPOStepConfig(StepConfig):
             raise ConfigError(f"step.max_prompt_len + step.max_new_tokens = {self.max_prompt_len + self.max_new_tokens} "
                               f"exceeds model.max_positions={cfg.model.max_positions}")
 
+    def answer_budget(self) -> int | None:
+        return self.max_new_tokens
+
+    def cut_answers_setting(self) -> str | None:
+        return self.truncated_answers
+
+    def zero3_mode(self) -> tuple[str, bool]:
+        return self.zero3_generation, True
+
+    def generation_tp(self) -> int:
+        return self.generation_tp_size
+
     def builds(self, role: str) -> bool:
         """No reward model without a reward-model weight, no critic with a critic-free advantage estimator."""
         from rlhf.losses import ESTIMATORS
@@ -659,6 +719,16 @@ class StepSpec:
     def generates(self) -> bool:
         """Whether it trains on answers it generates (rollouts): decode memory, rollout forecasts."""
         return self.rows == "rollouts"
+
+    @property
+    def supervised_policy(self) -> bool:
+        """Whether it trains the policy on reference answers (SFT): the chain judges its held-out
+        accuracy, its loss and the best constant answer before the steps after it start."""
+        return self.rows == "sequences"
+
+    def source_of(self, key: str) -> str | None:
+        """The chain step whose output this step takes as ``key`` (actor.path, critic.path, ...)."""
+        return next((source for k, source, _ in self.chain_inputs if k == key), None)
 
     def has_role(self, name: str) -> bool:
         return any(role.name == name for role in self.roles)

@@ -7,7 +7,7 @@ so that the rollouts, the start check and the log-probs that score them read the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Sampling:
     @classmethod
     def of(cls, step_cfg) -> Sampling:
         """The rollout sampling of a step config that carries these six keys (step.max_new_tokens, ...)."""
-        return cls(**{f.name: getattr(step_cfg, f.name) for f in fields(cls)})
+        return cls(step_cfg.max_new_tokens, step_cfg.min_new_tokens, step_cfg.do_sample, step_cfg.temperature,
+                   step_cfg.top_k, step_cfg.top_p)
 
     @classmethod
     def coerce(cls, sampling: Sampling | int, settings: dict) -> Sampling:

@@ -125,7 +125,7 @@ def kv_cache_bytes(m: ModelConfig, batch: int, length: int, precision: str) -> f
 def generating_role(cfg: Config) -> str | None:
     """The role that generates, in a step that does: PPO's rollouts, SFT's and DPO's greedy accuracy eval."""
     spec = STEPS[cfg.step.name]
-    if not spec.generates and not getattr(cfg.step, "eval_accuracy_prompts", 0):
+    if not spec.generates and not cfg.step.greedy_eval_prompts():
         return None
     # The trainable language model of the step: PPO's and DPO's actor, SFT's model.
     return spec.policy.name
@@ -149,7 +149,7 @@ def tp_unsupported(m: ModelConfig, t: int) -> str | None:
 
 def generation_tp_size(cfg: Config) -> int:
     """Ranks per tensor-parallel generation group: step.generation_tp_size, 0 for a node's devices."""
-    return getattr(cfg.step, "generation_tp_size", 0) or min(cfg.hardware.devices_per_node, cfg.world_size)
+    return cfg.step.generation_tp() or min(cfg.hardware.devices_per_node, cfg.world_size)
 
 
 def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -> int:
@@ -164,7 +164,7 @@ def generation_gathering(cfg: Config, critic_model: ModelConfig | None = None) -
     """
     if cfg.zero.stage != 3 or generating_role(cfg) is None:
         return 0
-    mode = getattr(cfg.step, "zero3_generation", "auto")  # SFT's accuracy eval has no key: auto
+    mode = cfg.step.zero3_mode()[0]
     t, m = generation_tp_size(cfg), role_models(cfg, critic_model)[0]
     if mode == "tp" and (why := tp_unsupported(m, t) or (
             f"{t} ranks per group do not divide the {cfg.world_size} ranks" if cfg.world_size % t else None)):
@@ -206,7 +206,8 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
                 tables = table_bytes(m, precision)
                 held = full if way == 1 else (full - tables) / way + tables
                 r.weights = held if offload_par else full / world + held
-            key = f" (step.zero3_generation={step.zero3_generation})" if hasattr(step, "zero3_generation") else ""
+            mode, has_key = step.zero3_mode()
+            key = f" (step.zero3_generation={mode})" if has_key else ""
             how = {0: "layer by layer", 1: "whole model gathered once per call"}.get(
                 way, f"gathered once per call into tensor-parallel slices over {way} ranks")
             r.notes.append(f"ZeRO-3 generation: {how}{key}")
@@ -229,7 +230,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
         # DPO's reference is counted even when its log-probs are precomputed: it is loaded for that pass.
         return [trainable_role(role.name, actor if role.lm_head else cfg.model, cfg.lora.rank, batch,
                                step.max_seq_len, role.lm_head)
-                if role.trainable else frozen_role(role.name, actor, getattr(step, f"offload_{role.name}"))
+                if role.trainable else frozen_role(role.name, actor, step.offloads(role.name))
                 for role in step_roles(cfg)]
     seq = step.max_prompt_len + step.max_new_tokens
     out = []
@@ -237,7 +238,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
         # The actor and its reference are the policy's model; the critic and reward model the critic's.
         m = actor if role.lm_head else critic
         if not role.trainable:
-            out.append(frozen_role(role.name, m, getattr(step, f"offload_{role.name}")))
+            out.append(frozen_role(role.name, m, step.offloads(role.name)))
             continue
         r = trainable_role(role.name, m, cfg.lora.rank if role.lm_head else 0, micro, seq, role.lm_head)
         if role.name == generating_role(cfg):

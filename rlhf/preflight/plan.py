@@ -195,9 +195,8 @@ def budget_problems(schema: Config, keys: str = "") -> list[str]:
     accuracy reads near 0 whatever the model learned. PPO with step.truncated_answers=penalty or mask
     has said what cut answers get, and is not refused."""
     step = schema.step
-    budget = getattr(step, "max_new_tokens", None)
-    if budget is None or not (STEPS[step.name].generates or getattr(step, "eval_accuracy_prompts", 0)) \
-            or getattr(step, "truncated_answers", "keep") != "keep":
+    budget, cut = step.answer_budget(), step.cut_answers_setting()
+    if budget is None or cut not in (None, "keep"):
         return []
     from rlhf.data.blend import references
     from rlhf.preflight.forecast import data_tokenizer
@@ -221,7 +220,7 @@ def budget_problems(schema: Config, keys: str = "") -> list[str]:
             f"{lengths[-1] + 1}, counted with the run's tokenizer): most answers would be cut before their final answer "
             f"and judged wrong. Set {keys}step.max_new_tokens={suggest}"
             + (f", or say what cut answers get ({keys}step.truncated_answers=mask or penalty)"
-               if hasattr(step, "truncated_answers") else "")]
+               if cut is not None else "")]
 
 
 def _arithmetic(schema: Config) -> list[str]:
@@ -245,9 +244,8 @@ def _ds_configs(schema: Config) -> dict[str, dict]:
     from rlhf.engine import ds_config
 
     step = schema.step
-    offloaded = {"reference": getattr(step, "offload_reference", False), "reward": getattr(step, "offload_reward", False)}
     return {role.name: ds_config(schema, trainable=role.trainable,
-                                 offload=not role.trainable and offloaded.get(role.name, False))
+                                 offload=not role.trainable and step.offloads(role.name))
             for role in step_roles(schema)}
 
 

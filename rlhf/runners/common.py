@@ -248,7 +248,7 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
     final["stopped_by"] = stopped_by or cap_reason(cfg, step)
     if stopped_by and not stopped_by.startswith("the cap ") and rank == 0:
         say(f"[{cfg.step.name}] stopped at step {step} by {stopped_by}")
-    if (why := cut_answers(final, cfg.step.max_new_tokens if hasattr(cfg.step, "max_new_tokens") else None)) \
+    if (why := cut_answers(final, cfg.step.answer_budget())) \
             and rank == 0:
         say(f"[{cfg.step.name}] WARNING {why}")
     if cfg.step.save_model:

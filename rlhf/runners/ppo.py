@@ -177,7 +177,7 @@ def _train(setup: Setup, state: PPOState) -> None:
     step_cfg, rank = cfg.step, dist.get_rank()
     stop, start_epoch, skip = StopRequest(), state.epoch, state.batch_index
     profiler = StepProfiler(cfg, rank)
-    bar = tqdm(total=steps, initial=state.step, desc="ppo", disable=rank != 0 or not cfg.logging.progress_bar)
+    bar = tqdm(total=steps, initial=state.step, desc=cfg.step.name, disable=rank != 0 or not cfg.logging.progress_bar)
     for epoch in range(start_epoch, step_cfg.epochs):
         batches = _prompt_batches(setup.prompts, epoch, state.rng if epoch == start_epoch else None, skip)
         for index, batch in batches:
@@ -207,7 +207,7 @@ def _train(setup: Setup, state: PPOState) -> None:
                 state.last, state.last_eval_step = judge.evaluate(state.step, state.step >= steps, steps), state.step
             if state.step >= steps or judge.stopped_by:
                 break
-            ckpt.after_step(state.step, state.saved(judge, epoch, index + 1), stop, logger, "ppo")
+            ckpt.after_step(state.step, state.saved(judge, epoch, index + 1), stop, logger, cfg.step.name)
         skip = 0
         if state.step >= steps or judge.stopped_by:
             break

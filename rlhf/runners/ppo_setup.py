@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rlhf import engine as engine_factory
 from rlhf import losses, models, rewards
-from rlhf.config import Config, ConfigError
+from rlhf.config import STEPS, Config, ConfigError
 from rlhf.data.blend import DataReport, data_rule, heldout_split, load_step_data, load_text_sources, named_rule
 from rlhf.data.tokenize import PadCollator, sft_dataset
 from rlhf.generation.rollout import left_pad, prompt_dataset
@@ -82,7 +82,7 @@ def checked_tokenizer(cfg: Config) -> tuple[object, str, str, str]:
 def build_prompts(cfg: Config, tokenizer, rank: int, world: int) -> Prompts:
     step_cfg = cfg.step
     report = DataReport()
-    train_rows, eval_rows = load_step_data(cfg.data, "ppo", report, tokenizer)
+    train_rows, eval_rows = load_step_data(cfg.data, cfg.step.name, report, tokenizer)
     train_prompts = prompt_dataset(train_rows, tokenizer, step_cfg.max_prompt_len, report, "train",
                                    cfg.data.long_prompts)
     # Held-out prompts, halved: keeping the best actor and the hacking warning read one half
@@ -108,14 +108,14 @@ def build_prompts(cfg: Config, tokenizer, rank: int, world: int) -> Prompts:
             ids = [(tokenizer(t).input_ids + [tokenizer.eos_token_id])[:ptx_len] for t in load_text_sources(cfg.data)]
             ptx_ds = Dataset.from_dict({"input_ids": ids, "labels": ids})
         else:
-            ptx_rows, _ = load_step_data(cfg.data, "sft", report, tokenizer)
+            ptx_rows, _ = load_step_data(cfg.data, STEPS[cfg.step.name].source_of("actor.path"), report, tokenizer)
             ptx_ds = sft_dataset(ptx_rows, tokenizer, ptx_len, "all", report, "ptx", cfg.data.on_bad_row)
         ptx_loader = DataLoader(ptx_ds, batch_size=step_cfg.micro_batch_size_per_device, drop_last=True,
                                 sampler=DistributedSampler(ptx_ds, num_replicas=world, rank=rank, seed=cfg.seed),
                                 collate_fn=PadCollator(tokenizer.pad_token_id))
         ptx = iter(_forever(ptx_loader))
     if rank == 0:
-        write_data_report(cfg, "ppo", report)
+        write_data_report(cfg, cfg.step.name, report)
     return Prompts(loader, sampler, len(train_prompts), select, report_half, ptx, steps, report)
 
 

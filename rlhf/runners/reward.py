@@ -129,7 +129,7 @@ def rule_check_candidates(cfg: Config, eval_prompts: list[str], tokenizer) -> li
     if not cfg.data.rule and all(synthetic.parse_prompt(p) is not None for p in prompts):
         return shipped_candidates(prompts, cfg.step.rule_check_answers, cfg.data.seed)
     if cfg.data.rule:
-        rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[1]
+        rows = load_step_data(cfg.data, cfg.step.name, DataReport(), tokenizer)[1]
         return rule_candidates(rows.select(heldout_split(rows["prompt"], cfg.data.seed)[1]), named_rule(cfg.data.rule, "data.rule", cfg.data, tokenizer))
     return []
 
@@ -153,7 +153,7 @@ def policy_pairs(cfg: Config, tokenizer, policy_path: str, report: DataReport) -
     if cache.exists():
         lines = cache.read_text().splitlines()
         return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
-    rows = load_step_data(cfg.data, "reward", DataReport(), tokenizer)[0].shuffle(seed=cfg.data.seed)
+    rows = load_step_data(cfg.data, cfg.step.name, DataReport(), tokenizer)[0].shuffle(seed=cfg.data.seed)
     rows = rows.select(range(min(step_cfg.policy_pairs_prompts, len(rows))))
     rule = data_rule(cfg.data, rows["prompt"], tokenizer)
     if rule is None:
@@ -233,7 +233,7 @@ def run(cfg: Config) -> dict:
     model_path, tokenizer = common.model_and_tokenizer(cfg)
 
     train_ds, eval_ds, eval_prompts, report = common.step_data(
-        cfg, "reward", tokenizer, {"max_seq_len": step_cfg.max_seq_len},
+        cfg, cfg.step.name, tokenizer, {"max_seq_len": step_cfg.max_seq_len},
         lambda rows, split, rep: pair_dataset(rows, tokenizer, step_cfg.max_seq_len, rep, split, cfg.data.on_bad_row))
     train_ds, own = with_policy_pairs(cfg, tokenizer, step_cfg.policy_path or model_path, train_ds, report)
     collate = PairCollator(tokenizer.pad_token_id)
@@ -246,7 +246,7 @@ def run(cfg: Config) -> dict:
     if rank == 0:
         common.say(f"[reward] {len(train_ds)} train pairs, {len(eval_ds)} eval pairs, {total_steps} optimizer steps of "
               f"{step_cfg.global_batch_size} pairs, {n_params / 1e6:.2f}M parameters")
-    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), "reward")
+    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss", "acc", "chosen", "rejected"), cfg.step.name)
 
     def full_eval(step: int, epoch: int) -> dict[str, float]:
         metrics = {**common.as_select(evaluate(engine, selection, step_cfg.score_at)),

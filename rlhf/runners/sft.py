@@ -135,7 +135,7 @@ def run(cfg: Config) -> dict:
         models.check_packed_rows(model_path, cfg.model.trust_remote_code)
 
     train_ds, eval_ds, eval_prompts, report = common.step_data(
-        cfg, "sft", tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on},
+        cfg, cfg.step.name, tokenizer, {"max_seq_len": step_cfg.max_seq_len, "loss_on": step_cfg.loss_on},
         lambda rows, split, rep: sft_dataset(rows, tokenizer, step_cfg.max_seq_len, step_cfg.loss_on, rep, split,
                                              cfg.data.on_bad_row))
     pad = PadCollator(tokenizer.pad_token_id)
@@ -163,7 +163,7 @@ def run(cfg: Config) -> dict:
     if rank == 0:
         common.say(f"[sft] {len(train_ds)} train rows, {len(eval_ds)} eval rows, {total_steps} optimizer steps of "
               f"{step_cfg.global_batch_size} rows, {n_params / 1e6:.2f}M parameters")
-    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss",), "sft")
+    state, resumed, logger = common.start_loop(ckpt, cfg, rank, total_steps, ("loss",), cfg.step.name)
 
     # -------------------------------------------------------------------------------- loop
     def ready(epoch: int) -> bool:

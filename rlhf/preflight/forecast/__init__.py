@@ -135,7 +135,8 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     # Pairs from the policy's own answers (rlhf.runners.reward.policy_pairs): sampled before training,
     # then trained on beside the data's; counted as if every draw were a distinct wrong answer, so
     # the forecast is a cap (duplicates and right answers make no pair).
-    drawn = min(getattr(step, "policy_pairs_prompts", 0), part_rows) * getattr(step, "policy_pairs_answers", 0)
+    prompts, answers = step.policy_pairs()
+    drawn = min(prompts, part_rows) * answers
     if drawn and not rule_scores_data(cfg):
         drawn = 0
     if drawn:
@@ -173,7 +174,7 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
         notes.append(f"{seq:.0f} tokens: {source} (step.max_seq_len={step.max_seq_len})")
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per optimizer step")
-    if getattr(step, "stop_at_accuracy", None) is not None or getattr(step, "early_stop_patience", 0):
+    if step.stops_when_ready():
         notes.append(READINESS_NOTE)
     return StepForecast(step.name, work, steps, phases, world, hw.price_per_device_hour, notes)
 
@@ -192,8 +193,8 @@ def _supervised_evaluation_s(cfg: Config, steps: int, rates: Rates) -> float:
     if spec.has_role("reference"):
         forward *= 2
     greedy = 0.0
-    if getattr(step, "eval_accuracy_prompts", 0):
-        per_rank = -(-step.eval_accuracy_prompts // world)
+    if step.greedy_eval_prompts():
+        per_rank = -(-step.greedy_eval_prompts() // world)
         greedy = generation_s(cfg.model, per_rank, step.eval_micro_batch_size_per_device, step.max_seq_len // 2,
                               step.max_new_tokens, cfg.hardware.precision, rates)
     return evals * forward + (evals + 2) * greedy
@@ -230,9 +231,9 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
             else f"{steps:,} PPO steps (step.max_steps)")
     if not part_rows and step.max_steps <= 0:
         notes.append("no row count: the figures are per PPO step")
-    if step.early_stop_patience:
+    if step.stops_when_ready():
         notes.append(READINESS_NOTE)
-    return StepForecast("ppo", work, steps, phases, world, hw.price_per_device_hour, notes)
+    return StepForecast(step.name, work, steps, phases, world, hw.price_per_device_hour, notes)
 
 
 def _ppo_generation_s(cfg: Config, prompt: int, rates: Rates, notes: list[str]) -> tuple[float, int, int]:
