@@ -213,10 +213,10 @@ def test_hydra_output_follows_run_dir(tmp_path):
     assert (tmp_path / "mine" / ".hydra" / "config.yaml").exists()
 
 
-def test_the_readme_s_table_of_step_defaults_is_what_each_step_composes_to():
-    """The README's per-step defaults (learning rate, schedule, batch, length, eval cadence) are
+def test_the_reference_s_table_of_step_defaults_is_what_each_step_composes_to():
+    """docs/reference.md's per-step defaults (learning rate, schedule, batch, length, eval cadence) are
     written by hand: each row is checked against the composed config of every step it names."""
-    text = (ROOT / "README.md").read_text().split("| step (`conf/step/`) |", 1)[1]
+    text = (ROOT / "docs" / "reference.md").read_text().split("| step (`conf/step/`) |", 1)[1]
     seen = set()
     for line in text.split("\n\n", 1)[0].splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
