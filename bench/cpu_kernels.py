@@ -8,7 +8,7 @@
   keys (4 rows x 8 heads x 32 dims, the PPO bench's shapes) over slices of a preallocated cache, in
   bf16 and in fp32 (the query cast included).
 - Grouped-query attention of one new token: the decode loop folds the query heads that share a
-  key/value head into that head's query rows (rlhf/generation/decode.py ``_Cache.attend``). Times
+  key/value head into that head's query rows (rlhf/generation/forwards.py ``_Cache.attend``). Times
   ``scaled_dot_product_attention`` of one token over 320 cached keys, 16 rows x 32 query heads over 8
   key/value heads x 64 dims (Llama 3's grouping), fp32, with a padding mask: ``enable_gqa=True``
   against the fold, and the largest difference of their outputs.

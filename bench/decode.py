@@ -26,7 +26,7 @@ small a share for any loop to halve its time.
 
 ``--families``: instead, one line per Hugging Face family (rlhf.models.families' tiny random models, hidden
 64, 2 layers, grouped-query attention where the family has it): our loop against ``generate``, and
-``path`` says whether ours ran our family forward (rlhf.generation.decode.FORWARDS) or the model's own forward
+``path`` says whether ours ran our family forward (rlhf.generation.forwards.FORWARDS) or the model's own forward
 with transformers' cache.
 
     python bench/decode.py

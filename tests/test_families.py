@@ -78,7 +78,7 @@ def _left_padded(tok):
 def test_every_family_s_rollouts_give_generate_s_tokens_and_a_plain_forward_s_logprobs(family, family_dir):
     """24 new tokens after 10-token left-padded prompts (past the families' 16-token sliding windows):
     greedy tokens equal generate's; sampled tokens' log-probs (temperature 0.7) equal one forward over
-    the finished sequences within 1e-4 in fp32; the families of rlhf.generation.decode.FORWARDS run our forward."""
+    the finished sequences within 1e-4 in fp32; the families of rlhf.generation.forwards.FORWARDS run our forward."""
     from rlhf import losses
     from rlhf.generation.decode import FORWARDS, _own_forward, decode
     from rlhf.generation.rollout import answer_logits, position_ids, response_mask

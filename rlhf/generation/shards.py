@@ -10,7 +10,7 @@ each rank computes its own heads and MLP neurons, and one all-reduce per row-spl
 per layer) adds the partial sums. A decoding step then reads 1/t of the weights per device.
 
 The copy is an ordinary transformers model of the same class with sliced tensors, run by our family
-forward (rlhf.generation.decode.FORWARDS): it reshapes projections into heads by head size, so each rank's
+forward (rlhf.generation.forwards.FORWARDS): it reshapes projections into heads by head size, so each rank's
 slice is simply fewer heads. LoRA adapters (PEFT) are merged into the copy's weights.
 
     .venv/bin/python -m pytest -q tests/test_zero3_generate.py   # 2 CPU ranks: the whole model's tokens

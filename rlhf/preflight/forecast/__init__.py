@@ -256,7 +256,7 @@ def _ppo_generation_s(cfg: Config, prompt: int, rates: Rates, notes: list[str]) 
             gathering, f"the actor gathered once per call into tensor-parallel slices over {gathering} ranks"))
     shards = max(gathering, 1)
     # The static step replays as a CUDA graph only where the actor is whole on the device (not under
-    # ZeRO-3's layerwise gathering, rlhf.generation.decode._own_forward, nor in tensor-parallel slices, which
+    # ZeRO-3's layerwise gathering, rlhf.generation.forwards._own_forward, nor in tensor-parallel slices, which
     # decode eagerly) and on a GPU.
     static = step.decode_graph and gathering == 1
     graph = static and hw.accelerator != "cpu"
