@@ -88,12 +88,7 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
             actor.step()
 
             if critic is not None:
-                values = critic(input_ids=exp.seq[idx], attention_mask=exp.attn[idx])[:, start:-1]
-                v_err = losses.clipped_value_error(values, exp.old_values[idx], exp.returns[idx],
-                                                   step_cfg.value_clip_range)
-                v_loss = losses.aggregate(v_err, mask, "token_mean", tokens, budget)
-                critic.backward(scale * step_cfg.vf_coef * v_loss)
-                critic.step()
+                v_loss = _value_update(critic, exp, idx, step_cfg, scale, tokens)
                 add("value_loss", v_loss, world_size())
                 add("loss", v_loss, world_size() * step_cfg.vf_coef)
 
@@ -103,13 +98,30 @@ def ppo_update(actor, critic, exp: Experience, step_cfg, kl_coef: float, generat
             add("clip_frac", losses.masked_mean(clipped.float(), mask))
             count += 1
             steps += (j + 1) % accumulation == 0
+    return _figures(sums, count, steps, critic is not None, step_cfg.kl_in == "loss")
+
+
+def _value_update(critic, exp: Experience, idx: torch.Tensor, step_cfg, scale: float, tokens: int) -> torch.Tensor:
+    """The critic's clipped value update on one micro batch: a mean over the optimizer step's
+    ``tokens``, scaled as the policy's loss is; returns the value loss."""
+    values = critic(input_ids=exp.seq[idx], attention_mask=exp.attn[idx])[:, exp.start:-1]
+    v_err = losses.clipped_value_error(values, exp.old_values[idx], exp.returns[idx], step_cfg.value_clip_range)
+    v_loss = losses.aggregate(v_err, exp.loss_mask[idx], "token_mean", tokens, exp.sampling.max_new_tokens)
+    critic.backward(scale * step_cfg.vf_coef * v_loss)
+    critic.step()
+    return v_loss
+
+
+def _figures(sums: dict[str, torch.Tensor], count: int, steps: int, has_critic: bool, kl_in_loss: bool) -> dict:
+    """The update's logged figures from its device-side sums, read back at once: per optimizer step,
+    entropy and clip fraction per micro batch."""
     keys = list(sums)
     host = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl_loss", "entropy", "clip_frac", "ptx_loss"), 0.0)
     host.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))  # one read-back
     out = {k: v / (count if k in ("entropy", "clip_frac") else steps) for k, v in host.items() if k != "logprob_diff"}
     out["rollout/logprob_diff"] = host["logprob_diff"]
-    if critic is None:
+    if not has_critic:
         del out["value_loss"]
-    if step_cfg.kl_in != "loss":
+    if not kl_in_loss:
         del out["kl_loss"]
     return out

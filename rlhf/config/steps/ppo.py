@@ -181,7 +181,39 @@ class PPOStepConfig(StepConfig):
         if self.early_stop_patience and not self.eval_every_steps:
             raise ConfigError("step.early_stop_patience needs evaluations to compare: set step.eval_every_steps > 0 "
                               "or step.early_stop_patience=0")
-        from rlhf.losses import ESTIMATORS, KL_ESTIMATORS, KL_PLACES, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+        estimator = self._derive_objective()
+        self._check_sampling()
+        if self.samples_per_prompt < estimator.min_group:
+            raise ConfigError(f"step.advantage_estimator={self.advantage_estimator} compares the answers to one prompt: "
+                              f"it needs step.samples_per_prompt >= {estimator.min_group} "
+                              f"(got {self.samples_per_prompt})")
+        if self.rollout_batch_size_per_device % self.samples_per_prompt:
+            raise ConfigError(f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not a "
+                              f"multiple of step.samples_per_prompt={self.samples_per_prompt}: a prompt's answers "
+                              "must land in one rollout batch")
+        if self.reward_fn is not None and self.reward_fn != "rule":
+            from rlhf.rewards import resolve
+
+            resolve(self.reward_fn, "step.reward_fn")
+        if self.reward_model_weight == 0 and self.reward_fn is None:
+            raise ConfigError("step.reward_model_weight=0 and no step.reward_fn: PPO would have no reward")
+        if self.rollout_batch_size_per_device % (self.micro_batch_size_per_device * self.gradient_accumulation_steps):
+            raise ConfigError(
+                f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not divisible by "
+                f"step.micro_batch_size_per_device ({self.micro_batch_size_per_device}) x "
+                f"step.gradient_accumulation_steps ({self.gradient_accumulation_steps})")
+        if self.global_batch_size is not None:
+            raise ConfigError("step.global_batch_size is not used by PPO; set step.rollout_batch_size_per_device, "
+                              "step.micro_batch_size_per_device and step.gradient_accumulation_steps")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"step.min_new_tokens={self.min_new_tokens} exceeds step.max_new_tokens={self.max_new_tokens}")
+        if self.ema_decay >= 1.0:
+            raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
+
+    def _derive_objective(self):
+        """The estimator's, policy loss's and rollout correction's settings, each unset one derived from
+        its paper's default; returns the estimator."""
+        from rlhf.losses import ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
         _choice("step.advantage_estimator", self.advantage_estimator, tuple(ESTIMATORS))
         estimator = ESTIMATORS[self.advantage_estimator]
@@ -223,6 +255,12 @@ class PPOStepConfig(StepConfig):
                 raise ConfigError(f"step.rollout_correction={self.rollout_correction} with step.old_logprobs=rollout: "
                                   "the correction weighs the sampler's log-probs against a training forward's, and "
                                   "with old_logprobs=rollout there is none; set step.old_logprobs=recompute (or auto)")
+        return estimator
+
+    def _check_sampling(self) -> None:
+        """Rollouts drawn from the full distribution, and a KL whose gradient pulls toward the reference."""
+        from rlhf.losses import KL_ESTIMATORS, KL_PLACES
+
         if self.dynamic_sampling and self.samples_per_prompt < 2:
             raise ConfigError("step.dynamic_sampling drops the prompts whose answers all scored the same: it needs "
                               f"step.samples_per_prompt >= 2 (got {self.samples_per_prompt})")
@@ -254,32 +292,6 @@ class PPOStepConfig(StepConfig):
                 "step.kl_in=loss with step.kl_estimator=k1: the k1 term's gradient is zero in expectation on-policy, "
                 "so it would not pull the policy toward the reference; set step.kl_estimator=k3 (or k2), or "
                 "step.kl_in=reward")
-        if self.samples_per_prompt < estimator.min_group:
-            raise ConfigError(f"step.advantage_estimator={self.advantage_estimator} compares the answers to one prompt: "
-                              f"it needs step.samples_per_prompt >= {estimator.min_group} "
-                              f"(got {self.samples_per_prompt})")
-        if self.rollout_batch_size_per_device % self.samples_per_prompt:
-            raise ConfigError(f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not a "
-                              f"multiple of step.samples_per_prompt={self.samples_per_prompt}: a prompt's answers "
-                              "must land in one rollout batch")
-        if self.reward_fn is not None and self.reward_fn != "rule":
-            from rlhf.rewards import resolve
-
-            resolve(self.reward_fn, "step.reward_fn")
-        if self.reward_model_weight == 0 and self.reward_fn is None:
-            raise ConfigError("step.reward_model_weight=0 and no step.reward_fn: PPO would have no reward")
-        if self.rollout_batch_size_per_device % (self.micro_batch_size_per_device * self.gradient_accumulation_steps):
-            raise ConfigError(
-                f"step.rollout_batch_size_per_device={self.rollout_batch_size_per_device} is not divisible by "
-                f"step.micro_batch_size_per_device ({self.micro_batch_size_per_device}) x "
-                f"step.gradient_accumulation_steps ({self.gradient_accumulation_steps})")
-        if self.global_batch_size is not None:
-            raise ConfigError("step.global_batch_size is not used by PPO; set step.rollout_batch_size_per_device, "
-                              "step.micro_batch_size_per_device and step.gradient_accumulation_steps")
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ConfigError(f"step.min_new_tokens={self.min_new_tokens} exceeds step.max_new_tokens={self.max_new_tokens}")
-        if self.ema_decay >= 1.0:
-            raise ConfigError(f"step.ema_decay={self.ema_decay} must be < 1")
 
     def check_run(self, cfg) -> None:
         if self.old_logprobs == "auto":
