@@ -146,6 +146,57 @@ def test_rank_0_lost_mid_ppo_stops_the_launch_names_it_and_the_same_command_resu
 
 
 @pytest.mark.slow
+def test_a_killed_launch_takes_its_ranks_with_it_and_the_same_command_resumes_exactly(tmp_path):
+    """SIGKILL to the launching process (a closed terminal, the out-of-memory killer): its ranks get
+    a SIGTERM (PR_SET_PDEATHSIG on the DeepSpeed launcher), save and exit, instead of training on
+    beside a rerun; the same command resumes to the uninterrupted run."""
+    import psutil
+
+    args = ["step=sft", "hardware=cpu-2rank", "zero=2", "step.max_steps=200", "step.log_every_steps=1",
+            "step.eval_every_steps=0", "checkpoint.every_steps=10", f"launch.master_port={free_port()}", *QUIET]
+    _ok(run_cli(*args, f"run_dir={tmp_path / 'straight'}"))
+    run_dir = tmp_path / "killed"
+    proc = start_cli(*args, f"run_dir={run_dir}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while _latest_step(run_dir) < 10:
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert any("rlhf.worker" in p.cmdline() for p in tree)
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, f"{len(alive)} process(es) of the killed launch still run 60 s later"
+    ended = [json.loads(f.read_text())["status"] for f in sorted((run_dir / "ranks").glob("rank*.json"))]
+    assert ended == ["signal", "signal"], ended  # stopped by the launch's end, not trained to the end
+    assert not (run_dir / "final_metrics.json").exists()
+    _ok(run_cli(*args, f"run_dir={run_dir}"))
+    same_run(tmp_path / "straight", run_dir, "loss")
+
+
+def test_a_launch_waits_for_the_ranks_of_an_earlier_launch_of_its_folder_then_refuses(tmp_path, monkeypatch):
+    """Ranks of an earlier launch of the same folder still alive on this machine (a second terminal,
+    a killed launch's ranks saving): the launch waits, then refuses naming the pid and the fix."""
+    import socket
+
+    from rlhf.config import ConfigError
+    from rlhf.launch import processes
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "rlhf.worker"])
+    try:
+        (tmp_path / "ranks").mkdir()
+        (tmp_path / "ranks" / "rank1.json").write_text(json.dumps(
+            {"rank": 1, "host": socket.gethostname(), "pid": rank.pid, "status": "signal"}))
+        monkeypatch.setattr(processes, "EARLIER_LAUNCH_WAIT_S", 1)
+        with pytest.raises(ConfigError, match=rf"still running \(rank 1 pid {rank.pid}\).*kill {rank.pid}"):
+            processes._wait_for_an_earlier_launch(tmp_path / "ranks", range(2))
+    finally:
+        rank.kill()
+        rank.wait()
+    processes._wait_for_an_earlier_launch(tmp_path / "ranks", range(2))  # ended: no wait, no refusal
+
+
+@pytest.mark.slow
 def test_a_hung_rank_fails_the_launch_after_the_collective_timeout(tmp_path):
     """A rank that stops answering (SIGSTOP: a stalled machine) keeps its sockets open, so only the
     collective timeout frees the others: rank 0 fails after launch.collective_timeout_min, the

@@ -114,6 +114,40 @@ def _raise_rank_failure(cfg: Config, run_dirs: list[Path], ranks_dir: Path, code
                        f"{', '.join(map(str, run_dirs))}; the same command resumes from the last checkpoint)")
 
 
+def _end_with_this_process() -> None:
+    """In the launcher's process, before it starts: a SIGTERM when the process that started it dies
+    (Linux's PR_SET_PDEATHSIG), which the DeepSpeed launcher hands on to its ranks. A launch killed
+    outright (SIGKILL, the out-of-memory killer, a closed terminal) then takes its ranks with it,
+    instead of leaving them to train on beside the rerun of the same command."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+# How long a launch waits for the ranks of an earlier launch of the same folder to end: a killed
+# launch's ranks finish their step, save and exit on the SIGTERM they get (about a minute at most).
+EARLIER_LAUNCH_WAIT_S = 120
+
+
+def _wait_for_an_earlier_launch(ranks_dir: Path, mine: range) -> None:
+    """Wait for the ranks of an earlier launch of this folder that are still running on this machine,
+    then refuse if they have not ended: two launches would write the same checkpoints and metrics."""
+    deadline = time.monotonic() + EARLIER_LAUNCH_WAIT_S
+    said = False
+    while alive := ranks.still_running(ranks_dir, mine):
+        pids = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in alive)
+        if time.monotonic() > deadline:
+            raise ConfigError(f"an earlier launch of {ranks_dir.parent} is still running ({pids}) after "
+                              f"{EARLIER_LAUNCH_WAIT_S} s: wait for it to end, or stop it (kill {alive[0]['pid']}), "
+                              "then run the same command again")
+        if not said:
+            print(f"waiting for an earlier launch of {ranks_dir.parent} to end ({pids})", flush=True)
+            said = True
+        time.sleep(1.0)
+
+
 def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     """Run the DeepSpeed launcher over ``run_dirs`` (each holding its resolved config.yaml) and wait;
     the final metrics of each run directory, or the rank's error as this process's own."""
@@ -123,15 +157,17 @@ def launch_ranks(cfg: Config, run_dirs: list[Path]) -> list[dict]:
     ranks_dir = Path(os.path.commonpath(run_dirs)) / "ranks"
     node = max(cfg.launch.node_rank, 0)
     per_node = cfg.hardware.devices_per_node
-    ranks.clear(ranks_dir, range(node * per_node, (node + 1) * per_node) if cfg.launch.node_rank >= 0
-                else range(cfg.world_size))
+    mine = range(node * per_node, (node + 1) * per_node) if cfg.launch.node_rank >= 0 else range(cfg.world_size)
+    _wait_for_an_earlier_launch(ranks_dir, mine)
+    ranks.clear(ranks_dir, mine)
     for d in run_dirs:
         (d / "error.json").unlink(missing_ok=True)
     # The launcher next to this interpreter: a venv's bin/ need not be on PATH.
     runner = Path(sys.executable).parent / "deepspeed"
     exe = [str(runner)] if runner.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
     started = time.monotonic()
-    code = subprocess.run([*exe, *cmd[1:]], cwd=PROJECT_ROOT, env=_rank_env(run_dirs, ranks_dir)).returncode
+    code = subprocess.run([*exe, *cmd[1:]], cwd=PROJECT_ROOT, env=_rank_env(run_dirs, ranks_dir),
+                          preexec_fn=_end_with_this_process).returncode
     _remove_allreduce_buffers(cfg.launch.master_port)
     if code:
         _raise_rank_failure(cfg, run_dirs, ranks_dir, code, time.monotonic() - started)

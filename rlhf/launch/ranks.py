@@ -60,6 +60,27 @@ def ended(status: str, detail: str = "") -> None:
         _write({**record, "status": status, "detail": detail[:500], "ended": time.time()})
 
 
+def still_running(folder: Path, ranks: range) -> list[dict]:
+    """The records of ``ranks`` whose process is still alive on this machine: a launch of the same
+    folder that has not ended yet (its launcher was killed and its ranks are shutting down, or a
+    second terminal started the same command). A pid reused by another program does not count."""
+    import psutil
+
+    alive = []
+    for rank in ranks:
+        try:
+            record = json.loads((folder / f"rank{rank}.json").read_text())
+            # Whatever it recorded: a rank that got its SIGTERM ("signal") still saves before it exits.
+            if record.get("host") != socket.gethostname():
+                continue
+            cmdline = psutil.Process(record["pid"]).cmdline()
+        except (OSError, ValueError, KeyError, psutil.Error):
+            continue
+        if "rlhf.worker" in cmdline:
+            alive.append(record)
+    return alive
+
+
 def clear(folder: Path, ranks: range) -> None:
     """Remove the records of ``ranks`` (this node's) before a launch: only the other nodes' are left."""
     for rank in ranks:
