@@ -190,6 +190,7 @@ def main_steps(paths: list[str]) -> None:
     # before going (the runners' stop request replaces this handler once training starts).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _end_on_signal)
+    ranks.end_with_the_launch()
     for path in paths:
         cfg = load_run_config(path)
         run_dir = Path(cfg.run_dir)

@@ -89,6 +89,7 @@ def _rank_env(run_dirs: list[Path], ranks_dir: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     env["RLHF_LAUNCHER"] = "1"
     env[ranks.ENV] = str(ranks_dir)
+    env[ranks.LAUNCH_PID_ENV] = str(os.getpid())
     return env
 
 
@@ -115,10 +116,10 @@ def _raise_rank_failure(cfg: Config, run_dirs: list[Path], ranks_dir: Path, code
 
 
 def _end_with_this_process() -> None:
-    """In the launcher's process, before it starts: a SIGTERM when the process that started it dies
-    (Linux's PR_SET_PDEATHSIG), which the DeepSpeed launcher hands on to its ranks. A launch killed
-    outright (SIGKILL, the out-of-memory killer, a closed terminal) then takes its ranks with it,
-    instead of leaving them to train on beside the rerun of the same command."""
+    """In the DeepSpeed launcher's process, before it starts: a SIGTERM when the process that started
+    it dies (Linux's PR_SET_PDEATHSIG). Across nodes (pdsh) the launcher hands it on to the remote
+    ranks; the ranks on this machine also watch this process themselves (rlhf.launch.ranks
+    .end_with_the_launch), as the single-node launcher hands on nothing."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal

@@ -60,6 +60,39 @@ def ended(status: str, detail: str = "") -> None:
         _write({**record, "status": status, "detail": detail[:500], "ended": time.time()})
 
 
+# Set by the process that starts the launcher: its pid, which the ranks of this machine watch.
+LAUNCH_PID_ENV = "RLHF_LAUNCH_PID"
+
+
+def end_with_the_launch() -> None:
+    """Stop this rank as a SIGTERM does (its step finished and saved, then exit) once the process that
+    started the launch is gone: a launch killed outright (SIGKILL, the out-of-memory killer, a closed
+    terminal) leaves DeepSpeed's launcher and its ranks running otherwise, training on beside the rerun
+    of the same command. Watched once a second from a daemon thread; only on the launch's machine."""
+    import signal
+    import threading
+
+    import psutil
+
+    try:
+        launch = psutil.Process(int(os.environ[LAUNCH_PID_ENV]))
+    except (KeyError, ValueError, psutil.Error):
+        return
+
+    def gone() -> bool:
+        try:  # is_running compares the start time too: a reused pid is not the launch
+            return not launch.is_running() or launch.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="end-with-the-launch", daemon=True).start()
+
+
 def still_running(folder: Path, ranks: range) -> list[dict]:
     """The records of ``ranks`` whose process is still alive on this machine: a launch of the same
     folder that has not ended yet (its launcher was killed and its ranks are shutting down, or a
