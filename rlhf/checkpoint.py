@@ -333,6 +333,10 @@ class Checkpointer:
 class StopRequest:
     """SIGINT / SIGTERM set a flag; the runner finishes its optimizer step, saves and exits."""
 
+    # The last signal any stop request of this process got: a rank running a chain's steps in turn
+    # (rlhf.worker) reads it between steps, as a signal after a loop's last look would otherwise be lost.
+    last_signal = 0
+
     def __init__(self):
         import signal
 
@@ -343,7 +347,7 @@ class StopRequest:
     def _handler(self, signum, frame) -> None:
         from rlhf.launch import ranks
 
-        self.signum = signum
+        self.signum = StopRequest.last_signal = signum
         ranks.ended("signal", f"signal {signum}")
 
     def __bool__(self) -> bool:

@@ -182,16 +182,22 @@ def main_steps(paths: list[str]) -> None:
 
     import torch.distributed as dist
 
+    from rlhf.checkpoint import StopRequest
     from rlhf.config import ConfigError, load_run_config
     from rlhf.launch import ranks
 
     ranks.started()
-    # The launcher terminates the other ranks as soon as one fails; say so in this rank's record
-    # before going (the runners' stop request replaces this handler once training starts).
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _end_on_signal)
     ranks.end_with_the_launch()
     for path in paths:
+        # The launcher terminates the other ranks as soon as one fails; say so in this rank's record
+        # before going (the runners' stop request replaces this handler once training starts). Set
+        # again before each step of a chain's launch: a signal while the next step builds its models
+        # ends the rank then, not at that step's end. One that came in the last step's final moments,
+        # after its loop stopped reading its stop request, ends it before the next step.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _end_on_signal)
+        if StopRequest.last_signal:
+            _end_on_signal(StopRequest.last_signal, None)
         cfg = load_run_config(path)
         run_dir = Path(cfg.run_dir)
         if cfg.resume == "auto" and (run_dir / "final_metrics.json").exists():

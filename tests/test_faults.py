@@ -146,21 +146,24 @@ def test_rank_0_lost_mid_ppo_stops_the_launch_names_it_and_the_same_command_resu
 
 
 @pytest.mark.slow
-def test_a_killed_launch_takes_its_ranks_with_it_and_the_same_command_resumes_exactly(tmp_path):
-    """SIGKILL to the launching process (a closed terminal, the out-of-memory killer): its ranks get
-    a SIGTERM (PR_SET_PDEATHSIG on the DeepSpeed launcher), save and exit, instead of training on
-    beside a rerun; the same command resumes to the uninterrupted run."""
+def test_a_launch_killed_between_two_steps_takes_its_ranks_with_it_and_the_same_command_resumes_exactly(tmp_path):
+    """SIGKILL to the launching process (a closed terminal, the out-of-memory killer) of a chain's
+    2-rank launch, right after its first step finished: the ranks, which watch it, stop while the
+    next step builds (a signal there used to be lost, and they trained on beside a rerun); the same
+    command trains that step to the uninterrupted chain's weights."""
     import psutil
 
-    args = ["step=sft", "hardware=cpu-2rank", "zero=2", "step.max_steps=200", "step.log_every_steps=1",
-            "step.eval_every_steps=0", "checkpoint.every_steps=10", f"launch.master_port={free_port()}", *QUIET]
+    args = ["pipeline=e2e", "pipeline.steps=[sft,reward]", "hardware=cpu-2rank", "zero=2", "pipeline.on_weak_step=warn",
+            "pipeline.sft.step.max_steps=8", "pipeline.reward.step.max_steps=300", "pipeline.reward.step.log_every_steps=1",
+            "pipeline.reward.step.eval_every_steps=0", "pipeline.reward.step.policy_pairs_prompts=0",
+            "checkpoint.every_steps=10", f"launch.master_port={free_port()}", *QUIET]
     _ok(run_cli(*args, f"run_dir={tmp_path / 'straight'}"))
     run_dir = tmp_path / "killed"
     proc = start_cli(*args, f"run_dir={run_dir}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while _latest_step(run_dir) < 10:
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
-        time.sleep(0.05)
+    while not (run_dir / "sft" / "final_metrics.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the chain ended before its first step did"
+        time.sleep(0.02)
     tree = psutil.Process(proc.pid).children(recursive=True)
     assert any("rlhf.worker" in p.cmdline() for p in tree)
     proc.kill()
@@ -169,9 +172,10 @@ def test_a_killed_launch_takes_its_ranks_with_it_and_the_same_command_resumes_ex
     assert not alive, f"{len(alive)} process(es) of the killed launch still run 60 s later"
     # Stopped by the launch's end (a rank's record says it got the signal), not trained on to the end.
     ended = [json.loads(f.read_text())["status"] for f in sorted((run_dir / "ranks").glob("rank*.json"))]
-    assert "signal" in ended and not (run_dir / "final_metrics.json").exists(), ended
+    assert "signal" in ended and not (run_dir / "reward" / "final_metrics.json").exists(), ended
     _ok(run_cli(*args, f"run_dir={run_dir}"))
-    same_run(tmp_path / "straight", run_dir, "loss")
+    for step in ("sft", "reward"):
+        same_run(tmp_path / "straight" / step, run_dir / step, "loss")
 
 
 def test_a_launch_waits_for_the_ranks_of_an_earlier_launch_of_its_folder_then_refuses(tmp_path, monkeypatch):
