@@ -217,7 +217,8 @@ def main() -> None:
     print(json.dumps({"seed": args.seed, "base_s": round(base_s, 1), "points": points,
                       "identical": sum(p["identical"] and not p["duplicated_steps"] and not p["missing_steps"]
                                        for p in points),
-                      "phases": sorted({p["phase"] for p in points})}))
+                      "killed": sum(p["killed"] for p in points),  # the others came after the run's end
+                      "phases": sorted({p["phase"] for p in points if p["killed"]})}))
 
 
 if __name__ == "__main__":
