@@ -149,8 +149,8 @@ def test_rank_0_lost_mid_ppo_stops_the_launch_names_it_and_the_same_command_resu
 def test_a_launch_killed_between_two_steps_takes_its_ranks_with_it_and_the_same_command_resumes_exactly(tmp_path):
     """SIGKILL to the launching process (a closed terminal, the out-of-memory killer) of a chain's
     2-rank launch, right after its first step finished: the ranks, which watch it, stop while the
-    next step builds (a signal there used to be lost, and they trained on beside a rerun); the same
-    command trains that step to the uninterrupted chain's weights."""
+    next step builds instead of training on beside a rerun; the same command trains that step to
+    the uninterrupted chain's weights."""
     import psutil
 
     args = ["pipeline=e2e", "pipeline.steps=[sft,reward]", "hardware=cpu-2rank", "zero=2", "pipeline.on_weak_step=warn",

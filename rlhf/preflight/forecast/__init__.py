@@ -292,7 +292,7 @@ def _ppo_updates_s(cfg: Config, seq: int, rates: Rates, notes: list[str]) -> tup
     trains the actor (and critic) on the step's rollouts."""
     step, world, hw = cfg.step, cfg.world_size, cfg.hardware
     actor, critic, batch = cfg.model, _critic_model(cfg), step.rollout_batch_size_per_device
-    has_critic = any(r.name == "critic" for r in step_roles(cfg))
+    has_critic = STEPS[step.name].has_role("critic") and step.builds("critic")
     a_total, _, a_lora = param_counts(actor, cfg.lora.rank, cfg.lora.target_modules)
     c_total, _, _ = param_counts(critic)
     updates = ppo_updates_per_step(cfg)
@@ -320,7 +320,7 @@ def _ppo_evaluation_s(cfg: Config, steps: int, prompt: int, chunk: int, shards: 
     step, world, precision = cfg.step, cfg.world_size, cfg.hardware.precision
     actor, critic, answer = cfg.model, _critic_model(cfg), step.max_new_tokens
     seq = prompt + answer
-    has_reward = any(r.name == "reward" for r in step_roles(cfg))
+    has_reward = STEPS[step.name].has_role("reward") and step.builds("reward")
     evals = 2 + (steps // step.eval_every_steps if step.eval_every_steps else 0)
     per_rank = -(-step.eval_prompts // world)
     greedy = generation_s(actor, per_rank, step.eval_micro_batch_size_per_device, prompt, answer, precision, rates,
