@@ -191,6 +191,11 @@ def test_a_launch_waits_for_the_ranks_of_an_earlier_launch_of_its_folder_then_re
         (tmp_path / "ranks").mkdir()
         (tmp_path / "ranks" / "rank1.json").write_text(json.dumps(
             {"rank": 1, "host": socket.gethostname(), "pid": rank.pid, "status": "signal"}))
+        # The dry-run says it on its own line, apart from its verdict, as the real run waits first.
+        dry = ["step=sft", "hardware=cpu-2rank", "launch.dry_run=true", f"run_dir={tmp_path}"]
+        verdict = run(compose(dry), overrides=dry)
+        assert verdict["refused"] == [] and any(f"rank 1 pid {rank.pid}" in line and "waits up to" in line
+                                                for line in verdict["this_machine"]), verdict
         monkeypatch.setattr(processes, "EARLIER_LAUNCH_WAIT_S", 1)
         with pytest.raises(ConfigError, match=rf"still running \(rank 1 pid {rank.pid}\).*kill {rank.pid}"):
             processes._wait_for_an_earlier_launch(tmp_path / "ranks", range(2))

@@ -132,6 +132,18 @@ def _end_with_this_process() -> None:
 EARLIER_LAUNCH_WAIT_S = 120
 
 
+def earlier_launch(run_dir: Path, world_size: int) -> list[str]:
+    """For a dry-run's "on this machine" lines: the ranks of an earlier launch of this folder (or of the
+    chain it is a step of) still running here, which the real run waits for, then refuses on."""
+    for ranks_dir in (run_dir / "ranks", run_dir.parent / "ranks"):
+        if alive := ranks.still_running(ranks_dir, range(world_size)):
+            pids = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in alive)
+            return [f"an earlier launch of {ranks_dir.parent} is still running ({pids}): the real run waits up to "
+                    f"{EARLIER_LAUNCH_WAIT_S} s for it to end, then refuses; wait for it, or stop it "
+                    f"(kill {alive[0]['pid']})"]
+    return []
+
+
 def _wait_for_an_earlier_launch(ranks_dir: Path, mine: range) -> None:
     """Wait for the ranks of an earlier launch of this folder that are still running on this machine,
     then refuse if they have not ended: two launches would write the same checkpoints and metrics."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rlhf.config import Config, ConfigError
-from rlhf.launch.processes import launch_ranks, slurm_hostfile, slurm_node
+from rlhf.launch.processes import earlier_launch, launch_ranks, slurm_hostfile, slurm_node
 from rlhf.launch.provenance import refuse_changed_settings, start_over, write_run_dir
 from rlhf.preflight.forecast import duration
 from rlhf.preflight.plan import Plan, build_plan
@@ -81,7 +81,8 @@ def run_step(cfg: DictConfig, schema: Config, overrides: list[str], command: lis
                 plan.problems.append(str(err))
         print(plan.text(), flush=True)
         # It plans for the target machine; what this one lacks is said apart from the verdict.
-        lacks = machine_problems(schema)
+        lacks = machine_problems(schema) + (earlier_launch(Path(schema.run_dir), schema.world_size)
+                                            if starts_ranks(schema) else [])
         for line in lacks:
             print(f"on this machine: {line}", flush=True)
         return {**plan.dry_run_result(), "this_machine": lacks}
