@@ -28,6 +28,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The rank variables this process set for its own single-process world: they stay set after an
+# in-process run (the process group outlives it), and must not make a later launch from the same
+# process (a sweep's next job, a notebook's next run) believe a launcher started it as one rank.
+_SET_HERE: set[str] = set()
+
+
+def launched_as_a_rank() -> bool:
+    """Whether a launcher (deepspeed, torchrun, srun) started this process as one rank of a world."""
+    return "LOCAL_RANK" in os.environ and "LOCAL_RANK" not in _SET_HERE
+
+
 def init_distributed(cfg: Config) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -35,10 +46,12 @@ def init_distributed(cfg: Config) -> None:
     if cfg.hardware.torch_threads:
         torch.set_num_threads(cfg.hardware.torch_threads)
     # Outside the launcher DeepSpeed would reach for mpi4py to discover the world; a single
-    # process tells it directly.
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # process tells it directly, and remembers it did (see launched_as_a_rank).
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", None)):
+        if key not in os.environ:
+            os.environ[key] = value or str(_free_port())
+            _SET_HERE.add(key)
     if int(os.environ["WORLD_SIZE"]) == 1 and cfg.hardware.accelerator == "cpu":
         # DeepSpeed's CPU backend compiles its shared-memory all-reduce op on a machine's first run
         # (a C++ toolchain needed) even where one rank has nothing to reduce. Its op table is a

@@ -205,6 +205,26 @@ def test_a_launch_waits_for_the_ranks_of_an_earlier_launch_of_its_folder_then_re
     processes._wait_for_an_earlier_launch(tmp_path / "ranks", range(2))  # ended: no wait, no refusal
 
 
+def test_a_single_process_run_leaves_the_next_launch_from_that_process_starting_its_ranks(monkeypatch):
+    """An in-process run sets the rank variables for its own world of one and they outlive it; a sweep's
+    next job (or a notebook's next run) of 2 ranks must still start its ranks, not train in-process as
+    one of them. A launcher's LOCAL_RANK still marks a rank."""
+    from rlhf import worker
+    from rlhf.config import compose_config, to_schema
+    from rlhf.launch.step import starts_ranks
+    from tests.conftest import RANK_VARS
+
+    for key in RANK_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(worker, "_SET_HERE", set())
+    worker.init_distributed(to_schema(compose_config(["step=sft", "hardware=cpu"])))
+    assert os.environ["LOCAL_RANK"] == "0"
+    two = to_schema(compose_config(["step=sft", "hardware=cpu-2rank"]))
+    assert starts_ranks(two)
+    monkeypatch.setattr(worker, "_SET_HERE", set())  # as if a launcher had set LOCAL_RANK
+    assert not starts_ranks(two)
+
+
 @pytest.mark.slow
 def test_a_hung_rank_fails_the_launch_after_the_collective_timeout(tmp_path):
     """A rank that stops answering (SIGSTOP: a stalled machine) keeps its sockets open, so only the

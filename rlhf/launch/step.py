@@ -41,7 +41,9 @@ def write_forecast(plan: Plan) -> None:
 
 def starts_ranks(schema: Config) -> bool:
     """Whether this process starts the ranks (several of them, and it is not itself one)."""
-    return schema.world_size > 1 and "LOCAL_RANK" not in os.environ
+    from rlhf.worker import launched_as_a_rank
+
+    return schema.world_size > 1 and not launched_as_a_rank()
 
 
 def prepare_plan(cfg: DictConfig, plan: Plan, overrides: list[str], command: list[str]) -> dict | None:
