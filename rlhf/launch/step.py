@@ -9,7 +9,6 @@ Called by rlhf.launch for a single step and by rlhf.chain.pipeline for each step
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
