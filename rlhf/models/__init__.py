@@ -59,7 +59,6 @@ from rlhf.models.sizes import (
     sizes_from_config,
 )
 
-
 _GGUF_TOKENIZERS: dict[tuple, object] = {}
 
 
