@@ -69,7 +69,8 @@ def train(run_dir: Path, stop_at: int = 0, nan_at: int = 0, ready_at: int = 0, n
         return False
 
     try:
-        loop.train(cfg, engine, loader, sampler, ckpt, state, logger, 4, micro_step, ready, "toy loss")
+        loop.train(cfg, state, ckpt, logger,
+                   loop.Supervised(cfg, engine, loader, sampler, ckpt, state, logger, 4, micro_step, ready, "toy loss"))
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,18 +1,20 @@
-"""The training loop of the supervised steps (SFT, reward model, DPO), written once: epochs and the
-step counter, resume at the checkpoint's micro batch, the metrics window and its log line, the
-evaluation cadence with the step's readiness rule, checkpoints after a step and at each epoch's end,
-stop requests and non-finite losses (decided over all ranks), the progress bar.
+"""The one training driver under every runner, written once: epochs and the step counter, resume at
+the checkpoint's batch, the evaluation cadence and a readiness rule ending the step, an evaluation at
+each epoch's end, checkpoints after a step (when due, or asked by a stop request) and at each epoch's
+boundary, the profiler window and the progress bar.
 
-A runner gives it the engine and data, ``micro_step(batch) -> (loss, sums)`` (the loss to back-
-propagate and what its metrics window adds up), and ``ready(epoch) -> bool`` (evaluate, log, and say
-whether a readiness rule ends the step); the loop leaves the final state in ``state``.
+What a step is belongs to its runner, through a ``Steps`` object: the supervised steps (SFT, reward
+model, the DPO family) use ``Supervised`` below, one optimizer step over the micro batches of one
+accumulation; PPO's step (rlhf/runners/ppo.py) is a prompt batch's rollouts and their updates.
 
-    python launch.py step=sft     # every supervised runner trains through train()
+    python launch.py step=sft     # every runner trains through train()
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
@@ -24,53 +26,145 @@ from rlhf.observe.profiling import StepProfiler
 from rlhf.runners import common
 
 
-def train(cfg: Config, engine, loader, sampler, ckpt, state: common.LoopState, logger, n_params: int,
-          micro_step: Callable[[dict], tuple], ready: Callable[[int], bool], what: str,
-          derive: Callable[[dict], dict] | None = None, postfix: tuple[str, ...] = ("loss",)) -> None:
-    """Train from ``state`` (fresh or resumed by common.start_loop) until its last step or a readiness
-    rule; ``what`` names the loss in a non-finite stop; ``derive`` adds figures computed from the
-    window's means (e.g. DPO's margin); ``postfix``: window keys shown on the progress bar."""
+class Steps(Protocol):
+    """A runner's hooks: what one step does, what it logs, how it is judged and what a checkpoint keeps."""
+
+    @property
+    def total(self) -> int:
+        """The step the run ends at (a readiness rule may end it sooner)."""
+
+    def batches(self, epoch: int, skip: int) -> Iterator[tuple[int, Any]]:
+        """The epoch's batches with their index, after the first ``skip`` (consumed before the
+        checkpoint a run resumed from), with the run's RNG where the straight run had it."""
+
+    def step(self, epoch: int, index: int, batch: Any, more: Iterator[tuple[int, Any]]) -> tuple[int, bool]:
+        """Train on ``batch`` and on as many of ``more`` as one step takes. Returns the index of the
+        last batch it used and whether a step completed (False: the epoch ran out mid-step)."""
+
+    def record(self, epoch: int, index: int) -> dict[str, str] | None:
+        """After the step counter moved: the step's figures logged; the progress bar's postfix, if new."""
+
+    def evaluate(self, epoch: int, final: bool) -> bool:
+        """Evaluate (``final``: the run's last evaluation); True where a readiness rule ends the step."""
+
+    def saved(self, epoch: int, index: int) -> dict:
+        """What a checkpoint keeps, with the next batch at ``index`` of ``epoch``."""
+
+
+def train(cfg: Config, state, ckpt, logger, steps: Steps) -> None:
+    """Train from ``state`` (fresh or resumed: its step, epoch, batch_index and last_eval_step) until
+    ``steps.total`` or a readiness rule."""
     import torch.distributed as dist
 
-    rank, world, step_cfg, name = dist.get_rank(), dist.get_world_size(), cfg.step, cfg.step.name
-    meter = common.Throughput(cfg, n_params, world)
-    meter.micro = state.window_micro
-    skip = state.batch_index
-    stop, profiler = StopRequest(), StepProfiler(cfg, rank)
-    bar = tqdm(total=state.total_steps, initial=state.step, desc=name, disable=rank != 0 or not cfg.logging.progress_bar)
+    rank, step_cfg, name = dist.get_rank(), cfg.step, cfg.step.name
+    stop, profiler, done, skip = StopRequest(), StepProfiler(cfg, rank), False, state.batch_index
+    bar = tqdm(total=steps.total, initial=state.step, desc=name, disable=rank != 0 or not cfg.logging.progress_bar)
+
+    def evaluate(epoch: int, final: bool) -> bool:
+        ready = steps.evaluate(epoch, final)
+        state.last_eval_step = state.step
+        return ready
+
     for epoch in range(state.epoch, step_cfg.epochs):
-        for index, batch in common.micro_batches(loader, sampler, epoch, skip, engine.device):
+        batches = steps.batches(epoch, skip)
+        for index, batch in batches:
             profiler.before(state.step + 1)
-            loss, sums = micro_step(batch)
-            value, boundary = common.optimize(engine, loss, ckpt, state, epoch, index, meter, batch, what)
-            state.window["loss"] += value
-            for key, v in sums.items():  # get: a checkpoint's window may predate a key
-                state.window[key] = state.window.get(key, 0.0) + v
-            if not boundary:
+            index, stepped = steps.step(epoch, index, batch, batches)
+            if not stepped:  # the epoch ended inside an accumulation: the next epoch's batches finish it
                 continue
             state.step += 1
             profiler.after(state.step)
             bar.update(1)
-            if state.step % step_cfg.log_every_steps == 0 or state.step == state.total_steps:
-                metrics = mean_over_ranks({k: v / meter.micro for k, v in state.window.items()})
-                metrics.update((derive or dict)(metrics))
-                metrics.update(lr=engine.get_lr()[0], epoch=epoch, **meter.summary(step_cfg.global_batch_size))
-                logger.log(metrics, step=state.step)
-                bar.set_postfix({k: f"{metrics[k]:.4f}" for k in postfix})
-                if rank == 0 and not cfg.logging.progress_bar:
-                    common.say(f"[{name}] step {state.step}/{state.total_steps} {format_line(metrics)}")
-                state.window = dict.fromkeys(state.window, 0.0)
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0 and ready(epoch):
-                state.total_steps = state.step
-            if state.step >= state.total_steps:
+            if postfix := steps.record(epoch, index):
+                bar.set_postfix(postfix)
+            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
+                done = evaluate(epoch, state.step >= steps.total)
+            if done or state.step >= steps.total:
                 break
-            ckpt.after_step(state.step, state.at(epoch, index + 1, meter.micro), stop, logger, name)
+            ckpt.after_step(state.step, steps.saved(epoch, index + 1), stop, logger, name)
         skip = 0
-        # Every epoch ends with an evaluation (unless its last step just had one).
-        if state.last_eval_step != state.step and ready(epoch + 1):
-            state.total_steps = state.step
-        if state.step >= state.total_steps:
+        # Every epoch ends with an evaluation (unless its last step just had one), the run's last among them.
+        if not done and state.last_eval_step != state.step:
+            done = evaluate(epoch + 1, state.step >= steps.total or epoch + 1 == step_cfg.epochs)
+        if done or state.step >= steps.total:
             break
         # The epoch boundary: a resume trains the remaining epochs.
-        ckpt.save(state.step, state.at(epoch + 1, 0, meter.micro))
+        ckpt.save(state.step, steps.saved(epoch + 1, 0))
     bar.close()
+
+
+@dataclass
+class Supervised:
+    """The supervised steps' hooks: a step is one optimizer step over the micro batches of one
+    accumulation, and its figures are the means over a window of steps, logged every
+    step.log_every_steps. A runner gives ``micro_step(batch) -> (loss, sums)`` (the loss to back-
+    propagate and what the window adds up) and ``ready(epoch) -> bool`` (evaluate, log, and say whether
+    a readiness rule ends the step); ``what`` names the loss in a non-finite stop; ``derive`` adds
+    figures computed from the window's means (DPO's margin); ``postfix``: window keys on the bar."""
+
+    cfg: Config
+    engine: Any
+    loader: Any
+    sampler: Any
+    ckpt: Any
+    state: common.LoopState
+    logger: Any
+    n_params: int
+    micro_step: Callable[[dict], tuple]
+    ready: Callable[[int], bool]
+    what: str
+    derive: Callable[[dict], dict] | None = None
+    postfix: tuple[str, ...] = ("loss",)
+    meter: common.Throughput = field(init=False)
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        self.meter = common.Throughput(self.cfg, self.n_params, dist.get_world_size())
+        self.meter.micro = self.state.window_micro
+
+    @property
+    def total(self) -> int:
+        return self.state.total_steps
+
+    def batches(self, epoch: int, skip: int):
+        return common.micro_batches(self.loader, self.sampler, epoch, skip, self.engine.device)
+
+    def step(self, epoch: int, index: int, batch: dict, more) -> tuple[int, bool]:
+        state = self.state
+        while True:
+            loss, sums = self.micro_step(batch)
+            value, boundary = common.optimize(self.engine, loss, self.ckpt, state, epoch, index, self.meter, batch,
+                                              self.what)
+            state.window["loss"] += value
+            for key, v in sums.items():  # get: a checkpoint's window may predate a key
+                state.window[key] = state.window.get(key, 0.0) + v
+            if boundary:
+                return index, True
+            if (following := next(more, None)) is None:
+                return index, False
+            index, batch = following
+
+    def record(self, epoch: int, index: int) -> dict[str, str] | None:
+        import torch.distributed as dist
+
+        state, step_cfg = self.state, self.cfg.step
+        if state.step % step_cfg.log_every_steps and state.step != state.total_steps:
+            return None
+        metrics = mean_over_ranks({k: v / self.meter.micro for k, v in state.window.items()})
+        metrics.update((self.derive or dict)(metrics))
+        metrics.update(lr=self.engine.get_lr()[0], epoch=epoch, **self.meter.summary(step_cfg.global_batch_size))
+        self.logger.log(metrics, step=state.step)
+        if dist.get_rank() == 0 and not self.cfg.logging.progress_bar:
+            common.say(f"[{step_cfg.name}] step {state.step}/{state.total_steps} {format_line(metrics)}")
+        state.window = dict.fromkeys(state.window, 0.0)
+        return {k: f"{metrics[k]:.4f}" for k in self.postfix}
+
+    def evaluate(self, epoch: int, final: bool) -> bool:
+        if not self.ready(epoch):
+            return False
+        self.state.total_steps = self.state.step  # a readiness rule ended the step here
+        return True
+
+    def saved(self, epoch: int, index: int) -> dict:
+        return self.state.at(epoch, index, self.meter.micro)

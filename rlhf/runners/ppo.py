@@ -29,13 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from rlhf import losses
 from rlhf.chain import readiness
 from rlhf.checkpoint import (
     Checkpointer,
-    StopRequest,
     gather_state_dict,
     param_fingerprint,
     save_hf_model,
@@ -44,8 +42,8 @@ from rlhf.checkpoint import (
 from rlhf.config import Config, ConfigError, ppo_updates_per_step
 from rlhf.generation.sampling import Sampling
 from rlhf.observe.logging import peak_memory_gb
-from rlhf.observe.profiling import StepProfiler
 from rlhf.preflight import memory
+from rlhf.runners import loop
 from rlhf.runners.common import finish, open_logger, say
 from rlhf.runners.ppo_experience import make_experience, rollout_metrics
 from rlhf.runners.ppo_judge import Judge
@@ -150,7 +148,7 @@ def run(cfg: Config) -> dict:
             say(f"[ppo] resumed at PPO step {state.step} (epoch {state.epoch}, prompt batch {state.batch_index})")
     else:
         state.first = state.last = judge.start(prompts.steps)
-    _train(setup, state)
+    loop.train(cfg, state, ckpt, logger, PPOSteps(setup, state))
 
     # -------------------------------------------------------------------------------- save
     return _finish(setup, state)
@@ -167,54 +165,53 @@ def _plan_line(cfg: Config, roles: Roles, prompts: Prompts) -> str:
             f"{' + ' if roles.reward and roles.rule_fn else ''}{step_cfg.reward_fn or ''}")
 
 
-def _train(setup: Setup, state: PPOState) -> None:
-    """PPO's own loop, beside the supervised steps' rlhf.runners.loop: its unit is a PPO step (a prompt
-    batch's rollouts and their updates, several optimizer steps of two engines), not one micro-batch
-    through one engine. Epochs over the prompt batches from ``state`` (fresh or resumed), a checkpoint
-    after a step (when due, or asked by a stop request) and at each epoch's end, a non-finite loss
-    stopping the run, evaluations every step.eval_every_steps and one at the end."""
-    cfg, judge, ckpt, logger, steps = setup.cfg, setup.judge, setup.ckpt, setup.logger, setup.prompts.steps
-    step_cfg, rank = cfg.step, dist.get_rank()
-    stop, start_epoch, skip = StopRequest(), state.epoch, state.batch_index
-    profiler = StepProfiler(cfg, rank)
-    bar = tqdm(total=steps, initial=state.step, desc=cfg.step.name, disable=rank != 0 or not cfg.logging.progress_bar)
-    for epoch in range(start_epoch, step_cfg.epochs):
-        batches = _prompt_batches(setup.prompts, epoch, state.rng if epoch == start_epoch else None, skip)
-        for index, batch in batches:
-            consumed = [index]
+class PPOSteps:
+    """PPO's hooks for the driver (rlhf.runners.loop.train): a step is a prompt batch's rollouts and
+    their updates, several optimizer steps of two engines; with step.dynamic_sampling it draws further
+    prompt batches of its epoch. Its figures are logged every step; its evaluations are the judge's."""
 
-            def draw_more(batches=batches, consumed=consumed):  # step.dynamic_sampling's further prompt batches
-                more = next(batches, None)
-                if more is not None:
-                    consumed.append(more[0])
-                return None if more is None else more[1]
+    def __init__(self, setup: Setup, state: PPOState):
+        self.setup, self.state, self.start_epoch = setup, state, state.epoch
+        self.metrics: dict[str, float] = {}
 
-            profiler.before(state.step + 1)
-            metrics = train_step(setup, state, batch, epoch, draw_more)
-            index = consumed[-1]  # the last prompt batch this step used: a resume goes on after it
-            _ema_update(state.ema, setup.roles.actor, step_cfg.ema_decay)
-            state.step, state.last_kl = state.step + 1, metrics["kl"]
-            profiler.after(state.step)
-            ckpt.stop_if_nonfinite(state.step, state.saved(judge, epoch, index + 1), "PPO loss", metrics["loss"],
-                                   unit="PPO step")
-            logger.log(metrics, step=state.step)
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
-            if rank == 0 and state.step % step_cfg.log_every_steps == 0:
-                keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "kl_loss", "step_s")
-                say(f"[ppo] step {state.step}/{steps} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
-            if step_cfg.eval_every_steps and state.step % step_cfg.eval_every_steps == 0:
-                state.last, state.last_eval_step = judge.evaluate(state.step, state.step >= steps, steps), state.step
-            if state.step >= steps or judge.stopped_by:
-                break
-            ckpt.after_step(state.step, state.saved(judge, epoch, index + 1), stop, logger, cfg.step.name)
-        skip = 0
-        if state.step >= steps or judge.stopped_by:
-            break
-        ckpt.save(state.step, state.saved(judge, epoch + 1, 0))  # the epoch boundary: a resume trains the remaining epochs
-    bar.close()
-    if state.last_eval_step != state.step:
-        state.last = judge.evaluate(state.step, True, steps)
+    @property
+    def total(self) -> int:
+        return self.setup.prompts.steps
+
+    def batches(self, epoch: int, skip: int):
+        rng = self.state.rng if epoch == self.start_epoch else None
+        return _prompt_batches(self.setup.prompts, epoch, rng, skip)
+
+    def step(self, epoch: int, index: int, batch: dict, more) -> tuple[int, bool]:
+        consumed = [index]
+
+        def draw_more():  # step.dynamic_sampling's further prompt batches
+            following = next(more, None)
+            if following is not None:
+                consumed.append(following[0])
+            return None if following is None else following[1]
+
+        self.metrics = train_step(self.setup, self.state, batch, epoch, draw_more)
+        _ema_update(self.state.ema, self.setup.roles.actor, self.setup.cfg.step.ema_decay)
+        return consumed[-1], True  # the last prompt batch this step used: a resume goes on after it
+
+    def record(self, epoch: int, index: int) -> dict[str, str]:
+        setup, state, metrics = self.setup, self.state, self.metrics
+        state.last_kl = metrics["kl"]
+        setup.ckpt.stop_if_nonfinite(state.step, self.saved(epoch, index + 1), "PPO loss", metrics["loss"],
+                                     unit="PPO step")
+        setup.logger.log(metrics, step=state.step)
+        if dist.get_rank() == 0 and state.step % setup.cfg.step.log_every_steps == 0:
+            keys = ("reward/score_mean", "rollout/rule_accuracy", "kl", "policy_loss", "value_loss", "kl_loss", "step_s")
+            say(f"[ppo] step {state.step}/{self.total} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
+        return {"score": f"{metrics['reward/score_mean']:.3f}", "kl": f"{metrics['kl']:.3f}"}
+
+    def evaluate(self, epoch: int, final: bool) -> bool:
+        self.state.last = self.setup.judge.evaluate(self.state.step, final, self.total)
+        return bool(self.setup.judge.stopped_by)
+
+    def saved(self, epoch: int, index: int) -> dict:
+        return self.state.saved(self.setup.judge, epoch, index)
 
 
 def _prompt_batches(prompts: Prompts, epoch: int, rng: dict | None, skip: int):

@@ -232,8 +232,9 @@ def run(cfg: Config) -> dict:
     if not resumed:
         ready(0)
         state.first = state.last
-    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, f"{spec.title} loss",
-               derive=window_rewards, postfix=("loss", "pref_acc"))
+    loop.train(cfg, state, ckpt, logger, loop.Supervised(
+        cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, f"{spec.title} loss",
+        derive=window_rewards, postfix=("loss", "pref_acc")))
 
     # -------------------------------------------------------------------------------- save
     return common.finish(cfg, engine, tokenizer, rank, state.step, state.first, state.last, logger)

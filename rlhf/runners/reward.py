@@ -278,8 +278,8 @@ def run(cfg: Config) -> dict:
     if not resumed:
         state.first = state.last = full_eval(0, 0)
         state.judge(state.first, "select/acc", True, 0)
-    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params, micro_step, ready, "reward loss",
-               postfix=("loss", "acc"))
+    loop.train(cfg, state, ckpt, logger, loop.Supervised(cfg, engine, loader, sampler, ckpt, state, logger, n_params,
+                                                          micro_step, ready, "reward loss", postfix=("loss", "acc")))
 
     # -------------------------------------------------------------------------------- save
     def keep_best(final: dict) -> None:

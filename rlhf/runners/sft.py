@@ -186,8 +186,9 @@ def run(cfg: Config) -> dict:
         state.judge(state.first, "eval/loss", False, 0)
     # No KV cache in training: with one, transformers would not read a packed batch's rows from its
     # position_ids (step.packing) and attention would cross them.
-    loop.train(cfg, engine, loader, sampler, ckpt, state, logger, n_params,
-               lambda batch: (engine(**batch, use_cache=False).loss, {}), ready, "SFT loss")
+    loop.train(cfg, state, ckpt, logger, loop.Supervised(
+        cfg, engine, loader, sampler, ckpt, state, logger, n_params,
+        lambda batch: (engine(**batch, use_cache=False).loss, {}), ready, "SFT loss"))
     if report_prompts:  # the output's reported accuracy, on prompts the stop rule never read
         reported = {**greedy(report_prompts), **beside_report, "lr_drops": float(state.lr_drops),
                     "lr_peak": peak_lr(engine)}
