@@ -1,7 +1,7 @@
 """The one training driver under every runner, written once: epochs and the step counter, resume at
 the checkpoint's batch, the evaluation cadence and a readiness rule ending the step, an evaluation at
-each epoch's end, checkpoints after a step (when due, or asked by a stop request) and at each epoch's
-boundary, the profiler window and the progress bar.
+the run's end (and at each epoch's, where the step asks), checkpoints after a step (when due, or asked
+by a stop request) and at each epoch's boundary, the profiler window and the progress bar.
 
 What a step is belongs to its runner, through a ``Steps`` object: the supervised steps (SFT, reward
 model, the DPO family) use ``Supervised`` below, one optimizer step over the micro batches of one
@@ -28,6 +28,9 @@ from rlhf.runners import common
 
 class Steps(Protocol):
     """A runner's hooks: what one step does, what it logs, how it is judged and what a checkpoint keeps."""
+
+    # Whether every epoch ends with an evaluation, or only the run (and the step.eval_every_steps cadence).
+    evaluates_each_epoch: bool
 
     @property
     def total(self) -> int:
@@ -83,9 +86,11 @@ def train(cfg: Config, state, ckpt, logger, steps: Steps) -> None:
                 break
             ckpt.after_step(state.step, steps.saved(epoch, index + 1), stop, logger, name)
         skip = 0
-        # Every epoch ends with an evaluation (unless its last step just had one), the run's last among them.
-        if not done and state.last_eval_step != state.step:
-            done = evaluate(epoch + 1, state.step >= steps.total or epoch + 1 == step_cfg.epochs)
+        # The run ends with an evaluation, and so does every epoch where the step asks (unless its last
+        # step just had one).
+        final = state.step >= steps.total or epoch + 1 == step_cfg.epochs
+        if not done and state.last_eval_step != state.step and (final or steps.evaluates_each_epoch):
+            done = evaluate(epoch + 1, final)
         if done or state.step >= steps.total:
             break
         # The epoch boundary: a resume trains the remaining epochs.
@@ -116,6 +121,8 @@ class Supervised:
     derive: Callable[[dict], dict] | None = None
     postfix: tuple[str, ...] = ("loss",)
     meter: common.Throughput = field(init=False)
+    # A pass over the data is where a supervised step's readiness is judged, whatever the cadence.
+    evaluates_each_epoch = True
 
     def __post_init__(self) -> None:
         import torch.distributed as dist

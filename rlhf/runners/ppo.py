@@ -168,7 +168,11 @@ def _plan_line(cfg: Config, roles: Roles, prompts: Prompts) -> str:
 class PPOSteps:
     """PPO's hooks for the driver (rlhf.runners.loop.train): a step is a prompt batch's rollouts and
     their updates, several optimizer steps of two engines; with step.dynamic_sampling it draws further
-    prompt batches of its epoch. Its figures are logged every step; its evaluations are the judge's."""
+    prompt batches of its epoch. Its figures are logged every step; its evaluations are the judge's, on
+step.eval_every_steps and at the run's end."""
+
+    # Its cadence is in PPO steps; an epoch is one more pass over the prompts, judged like any step.
+    evaluates_each_epoch = False
 
     def __init__(self, setup: Setup, state: PPOState):
         self.setup, self.state, self.start_epoch = setup, state, state.epoch
