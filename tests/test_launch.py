@@ -147,6 +147,7 @@ def test_two_cpu_ranks_zero3_draw_the_reward_model_s_pairs_from_the_policy_toget
     assert json.loads((tmp_path / "final_metrics.json").read_text())["policy_pairs"] == len(pairs)
 
 
+@pytest.mark.slow  # make test runs 2 ranks in test_loss_agg and test_rollout_share
 def test_two_rank_zero3_ppo_with_accumulation_keeps_ranks_in_step_and_the_schedule_whole(tmp_path):
     """2 CPU ranks, ZeRO-3, accumulation 2, gradient checkpointing, an adaptive KL coefficient: both
     ranks hold the same coefficient (it is updated from the KL of the global batch), and the linear
