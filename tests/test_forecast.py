@@ -231,3 +231,47 @@ def test_a_launch_of_several_ranks_counts_its_start_up_and_the_ops_this_machine_
     gpu = forecast.forecast(to_schema(compose(["step=sft", "hardware=8xa100-80g", "zero=2-offload",
                                                "step.max_steps=10"])), part_rows=1000, rates=rates)
     assert gpu.phases["start-up"] == forecast.LAUNCH_S and any("cpu_adam" in n for n in gpu.notes)
+
+
+def test_prompts_the_run_would_drop_for_length_are_said_and_not_counted(tmp_path):
+    """A PPO step's prompts longer than step.max_prompt_len are dropped by the run at its start; the
+    dry-run's forecast says how many, names the budget that keeps them, and counts only the rest. The
+    data is built so that every prompt is either 3 words or 60: the count is exact by construction, and
+    equals what the run's own prompt filter (rollout.prompt_dataset) drops from the same rows."""
+    import json
+    import random
+
+    from rlhf.data.blend import DataReport
+    from rlhf.generation.rollout import prompt_dataset
+    from rlhf.preflight.forecast.work import data_tokenizer, step_data
+
+    rng = random.Random(0)
+    data = tmp_path / "mixed"
+    data.mkdir()
+
+    def row(i: int) -> dict:
+        words = 60 if rng.random() < 0.4 else 3
+        return {"prompt": f" Human: {i} " + " ".join(rng.choice("abcdefgh") for _ in range(words)) + " Assistant:",
+                "chosen": " yes", "rejected": " no"}
+
+    for split, n in (("train", 400), ("eval", 32)):
+        (data / f"{split}.json").write_text(json.dumps([row(i) for i in range(n)]))
+    cfg = to_schema(compose(["step=ppo", f"data.sources=[{{path: {data}}}]", "step.max_prompt_len=32",
+                             "step.rollout_batch_size_per_device=8", "step.micro_batch_size_per_device=8"]))
+    prompts = list(dict.fromkeys(step_data(cfg)[0]["prompt"]))
+    long = sum(len(p.split()) > 60 for p in prompts)
+    assert 0 < long < len(prompts)
+    f = forecast.forecast(cfg)
+    said = [n for n in f.notes if "longer than step.max_prompt_len=32" in n]
+    assert said and said[0].startswith(f"{long} of {len(prompts)} train prompts"), f.notes
+    assert "the run drops them" in said[0] and "pipeline.ppo.step.max_prompt_len" in said[0]
+    assert f.work.startswith(f"{len(prompts) - long} prompts x"), f.work
+    report = DataReport()
+    prompt_dataset(step_data(cfg)[0], data_tokenizer(cfg), 32, report, "train")
+    assert report.dropped["train"] == {"prompt longer than step.max_prompt_len=32": long}
+    # The budget the note names keeps every prompt.
+    fix = int(said[0].split("step.max_prompt_len=")[2].split()[0])
+    kept = forecast.forecast(to_schema(compose(["step=ppo", f"data.sources=[{{path: {data}}}]",
+                                                f"step.max_prompt_len={fix}", "step.rollout_batch_size_per_device=8",
+                                                "step.micro_batch_size_per_device=8"])))
+    assert not any("longer than step.max_prompt_len" in n for n in kept.notes), kept.notes

@@ -58,6 +58,7 @@ from rlhf.preflight.forecast.work import (
     _READ,
     _critic_model,
     data_tokenizer,
+    long_prompts,
     padded_lengths,
     rule_scores_data,
     step_data,
@@ -209,10 +210,21 @@ def _ppo(cfg: Config, part_rows: int, rates: Rates, notes: list[str],
     step, world, hw = cfg.step, cfg.world_size, cfg.hardware
     batch, prompt, answer = step.rollout_batch_size_per_device, step.max_prompt_len, step.max_new_tokens
     source = "the benchmark's prompts" if lengths else "the mean padded rollout batch of the data"
+    # The data's own prompts, where no benchmark's lengths stand for them.
+    long = None if lengths else long_prompts(cfg)
     if lengths := lengths or padded_lengths(cfg, batch, False):  # prompts left-padded to the batch's longest
         prompt = min(prompt, round(lengths[1]))
         notes.append(f"{prompt} prompt tokens: {source} "
                      f"(step.max_prompt_len={step.max_prompt_len})")
+    if long and long[0]:
+        # The run drops them at its start (or cuts them); said here so that nothing is dropped unforeseen.
+        n, read, longest = long
+        fate = "drops them" if cfg.data.long_prompts == "drop" else "keeps their last tokens (data.long_prompts)"
+        notes.append(f"{n} of {read} train prompts read ({n / read:.0%}) are longer than step.max_prompt_len="
+                     f"{step.max_prompt_len} tokens: the run {fate}; step.max_prompt_len={-(-longest // 8) * 8} (in a chain "
+                     f"pipeline.{step.name}.step.max_prompt_len) keeps every one read whole")
+        if cfg.data.long_prompts == "drop":
+            part_rows = round(part_rows * (1 - n / read))
     per_step = batch * world
     rollouts = part_rows * step.samples_per_prompt * step.epochs
     steps = rollouts // per_step if part_rows else 1

@@ -96,6 +96,21 @@ def padded_lengths(cfg: Config, micro: int, pairs: bool) -> tuple[float, float] 
             sum(max(prompts[j] for j in c) for c in chunks) / len(chunks))
 
 
+def long_prompts(cfg: Config, read: int = 512) -> tuple[int, int, int] | None:
+    """Of up to ``read`` distinct train prompts of the step's part of local data, as the run tokenizes
+    them (rlhf.generation.rollout.prompt_dataset: chat template, bos): how many are longer than
+    step.max_prompt_len, how many were read, and the longest's length. None where the data or the
+    tokenizer is not local."""
+    tokenizer = data_tokenizer(cfg)
+    if tokenizer is None:
+        return None
+    prompts = list(dict.fromkeys(p for p in step_data(cfg, tokenizer)[0]["prompt"] if isinstance(p, str) and p.strip()))
+    lengths = [len(tokenizer(p).input_ids) for p in prompts[:read]]
+    if not lengths:
+        return None
+    return sum(n > cfg.step.max_prompt_len for n in lengths), len(lengths), max(lengths)
+
+
 def rule_scores_data(cfg: Config) -> bool:
     """Whether a rule scores the data's prompts: data.rule, or the shipped tasks' rule where it parses
     local data's first eval prompts. PPO's start check and the reward model's pairs from the policy's
