@@ -46,7 +46,7 @@ def test_ppo_runs_moves_the_actor_and_not_the_reference(tmp_path, sft_and_reward
     for r in steps:
         for key in ("reward/score_mean", "reward/rm_score", "kl", "entropy", "clip_frac", "policy_loss",
                     "value_loss", "answer_len", "generate_s", "experience_s", "train_s", "samples_per_s", "tflops",
-                    "rollout/rule_accuracy", "rollout/truncated_frac", "rollout/logprob_diff"):
+                    "generate_tflops", "scoring_tflops", "update_tflops", "rollout/rule_accuracy", "rollout/truncated_frac", "rollout/logprob_diff"):
             assert math.isfinite(r[key]), (key, r)
         assert r["generate_s"] <= r["experience_s"] <= r["step_s"]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-5), "actor and reference start identical"
@@ -859,3 +859,21 @@ def test_profile_step_profiles_one_ppo_step_from_rollouts_to_updates(tmp_path, s
         assert summary["by_kind_ms"].get(kind, 0) > 0, (kind, summary["by_kind_ms"])
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows if "policy_loss" in r] == [1, 2, 3]
+
+
+def test_phase_flops_by_hand():
+    """A policy of 1,000 layer parameters and a 100-parameter head, a value model of 500; 2 rows of 10
+    positions, 4 of them answer: generation runs 9 positions through the layers (the last token is
+    never fed back) and the head at the 4 answer tokens; a scoring pass runs all 10 positions, the
+    head on the 4; the value models have no vocabulary head; an update pass is 3 forwards."""
+    from types import SimpleNamespace as NS
+
+    from rlhf.runners.ppo import phase_flops
+
+    sizes = (NS(layer_params=1000, head_params=100), NS(layer_params=500, head_params=100))
+    both = phase_flops(sizes, 2, 10, 4, NS(old_logprobs="rollout", ppo_epochs=2), True, True)
+    assert both == {"generate": 2 * 2 * (1000 * 9 + 100 * 4),  # 37,600
+                    "scoring": 2 * 2 * (1000 * 10 + 100 * 4) + 2 * (2 * 2 * 500 * 10),  # reference + critic + reward
+                    "update": 3 * 2 * (41_600 + 20_000)}  # 2 PPO epochs of actor and critic
+    alone = phase_flops(sizes, 2, 10, 4, NS(old_logprobs="recompute", ppo_epochs=1), False, False)
+    assert alone == {"generate": 37_600, "scoring": 2 * 41_600, "update": 3 * 41_600}

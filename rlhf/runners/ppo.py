@@ -39,8 +39,9 @@ from rlhf.checkpoint import (
     save_hf_model,
     set_rng_state,
 )
-from rlhf.config import Config, ConfigError, ppo_updates_per_step
+from rlhf.config import Config, ConfigError, ppo_updates_per_step, role_models
 from rlhf.generation.sampling import Sampling
+from rlhf.models import ModelSizes, model_sizes
 from rlhf.observe.logging import peak_memory_gb
 from rlhf.preflight import memory
 from rlhf.runners import loop
@@ -65,6 +66,9 @@ class Setup:
     judge: Judge
     ckpt: Checkpointer
     logger: object
+    # The policy's and the critic's (and reward model's) sizes, as the pre-flight read them: each
+    # phase's arithmetic in the step's figures.
+    sizes: tuple[ModelSizes, ModelSizes]
 
 
 @dataclass
@@ -136,7 +140,8 @@ def run(cfg: Config) -> dict:
     # Outside a chain no gate binds the start check; in one, the chain's readiness rule does.
     gate, stop_on_gate = readiness.ppo_start_gate(run_dir, cfg.data.rule or "synthetic")
     judge = Judge(cfg, roles, prompts, logger, gathering, sampling, gate, stop_on_gate)
-    setup = Setup(cfg, roles, prompts, sampling, gathering, judge, ckpt, logger)
+    setup = Setup(cfg, roles, prompts, sampling, gathering, judge, ckpt, logger,
+                  tuple(model_sizes(m) for m in role_models(cfg)))
 
     # -------------------------------------------------------------------------------- loop
     fingerprints = {} if resumed else {"actor": param_fingerprint(roles.actor), "reference": param_fingerprint(roles.ref)}
@@ -248,16 +253,34 @@ def train_step(setup: Setup, state: PPOState, batch: dict, epoch: int, draw_more
     kl_ctl.update(metrics["kl"], step_cfg.rollout_batch_size_per_device * world)
     t3 = time.perf_counter()
     n_seq, seq_len = exp.seq.shape
-    # Forward FLOPs 2N per token: generation, the scoring passes (reference, critic, reward model, and
-    # the actor's only with step.old_logprobs=recompute), then 3x (fwd+bwd) per update of the actor and
-    # the critic (0 without one).
-    scoring = roles.n_actor * (2 if step_cfg.old_logprobs == "recompute" else 1) + roles.n_critic + roles.n_reward
-    flops = 2 * roles.n_actor * exp.mask.sum().item() + 2 * scoring * n_seq * seq_len \
-        + step_cfg.ppo_epochs * 6 * (roles.n_actor + roles.n_critic) * n_seq * seq_len
+    flops = phase_flops(setup.sizes, n_seq, seq_len, exp.mask.shape[1], step_cfg, roles.critic is not None,
+                        roles.reward is not None)
+    scoring_s = max(t1 - t0 - exp.generate_s, 1e-9)
     metrics.update({"generate_s": exp.generate_s, "experience_s": t1 - t0, "train_s": t2 - t1, "other_s": t3 - t2,
-                    "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0), "tflops": flops / (t3 - t0) / 1e12,
+                    "step_s": t3 - t0, "samples_per_s": n_seq * world / (t3 - t0),
+                    "tflops": sum(flops.values()) / (t3 - t0) / 1e12,
+                    "generate_tflops": flops["generate"] / max(exp.generate_s, 1e-9) / 1e12,
+                    "scoring_tflops": flops["scoring"] / scoring_s / 1e12, "update_tflops": flops["update"] / (t2 - t1) / 1e12,
                     "lr": roles.actor.get_lr()[0], "epoch": epoch, "memory_gb": peak_memory_gb(cfg.hardware.accelerator)})
     return metrics
+
+
+def phase_flops(sizes: tuple[ModelSizes, ModelSizes], rows: int, width: int, answer: int, step_cfg,
+                critic: bool, reward: bool) -> dict[str, float]:
+    """Matrix-product FLOPs of one PPO step's phases on one rank, as the work is done: every row of the
+    batch to its full ``width`` (prompt + ``answer`` positions), padding included; 2 per parameter
+    and position, the vocabulary head only where its logits are used; attention's scores left out
+    (a few percent at rollout lengths). Generation: the prompt's prefill and one position per answer
+    token, the head at each answer token. Scoring: the reference (and the actor with
+    step.old_logprobs=recompute) with the head on the answer positions, the critic and the reward
+    model without one. Updates: 3x a forward (forward and backward) per pass over the batch."""
+    policy, value = sizes
+    policy_pass = 2 * rows * (policy.layer_params * width + policy.head_params * answer)
+    value_pass = 2 * rows * value.layer_params * width
+    generate = 2 * rows * (policy.layer_params * (width - 1) + policy.head_params * answer)
+    scoring = policy_pass * (2 if step_cfg.old_logprobs == "recompute" else 1) + value_pass * (critic + reward)
+    update = 3 * step_cfg.ppo_epochs * (policy_pass + value_pass * critic)
+    return {"generate": float(generate), "scoring": float(scoring), "update": float(update)}
 
 
 def _finish(setup: Setup, state: PPOState) -> dict:
