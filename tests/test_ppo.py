@@ -877,3 +877,17 @@ def test_phase_flops_by_hand():
                     "update": 3 * 2 * (41_600 + 20_000)}  # 2 PPO epochs of actor and critic
     alone = phase_flops(sizes, 2, 10, 4, NS(old_logprobs="recompute", ppo_epochs=1), False, False)
     assert alone == {"generate": 37_600, "scoring": 2 * 41_600, "update": 3 * 41_600}
+
+
+def test_held_out_answers_cut_by_the_budget_are_a_warning_in_the_final_figures(sft_and_reward, tmp_path):
+    """The shipped task's answers are longer than 2 tokens (cut answers masked, as the pre-flight asks):
+    every greedy answer reaches the budget, and the warning that says so is in final_metrics.json's
+    warnings (the chain's summary lists those), not only on the console."""
+    sft, _ = sft_and_reward
+    final = run(compose([*PPO_FAST, "step.max_steps=1", "step.max_new_tokens=2", "step.truncated_answers=mask", "step.reward_fn=rule",
+                         "step.reward_model_weight=0", "step.advantage_estimator=grpo", "step.samples_per_prompt=2",
+                         f"actor.path={sft}", f"run_dir={tmp_path}"]))
+    cut = [w for w in final["warnings"] if "reached the budget step.max_new_tokens (2 tokens)" in w]
+    assert cut and cut[0].endswith("raise step.max_new_tokens=4"), final["warnings"]
+    saved = json.loads((tmp_path / "final_metrics.json").read_text())
+    assert cut[0] in saved["warnings"]

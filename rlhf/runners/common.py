@@ -248,9 +248,11 @@ def finish(cfg: Config, engine, tokenizer, rank: int, step: int, first: dict, la
     final["stopped_by"] = stopped_by or cap_reason(cfg, step)
     if stopped_by and not stopped_by.startswith("the cap ") and rank == 0:
         say(f"[{cfg.step.name}] stopped at step {step} by {stopped_by}")
-    if (why := cut_answers(final, cfg.step.answer_budget())) \
-            and rank == 0:
-        say(f"[{cfg.step.name}] WARNING {why}")
+    if why := cut_answers(final, cfg.step.answer_budget()):
+        # Kept with the step's other warnings: the chain's summary lists them.
+        final.setdefault("warnings", []).append(why)
+        if rank == 0:
+            say(f"[{cfg.step.name}] WARNING {why}")
     if cfg.step.save_model:
         save_hf_model(engine, tokenizer, run_dir / "model", merge_lora=cfg.lora.merge_on_save)
         final["model_dir"] = str(run_dir / "model")
