@@ -4,13 +4,14 @@ First the machine's own limits, measured here: the rate of ``torch.nn.functional
 model's own layer shapes (every linear of its decoder layers and its vocabulary head, from the model's
 config) at the row counts each phase feeds them -- one row per sequence in a decoding step, every
 position of the batch in the scoring forwards and the updates -- in fp32 and bf16, with 1 thread and
-with every core; and the memory bandwidth (a large copy). Then GRPO steps of the real runner
+with every core; the memory bandwidth (STREAM's triad); and torch's fused AdamW over as many
+parameters as the model has (the runner's optimizer: its floor). Then GRPO steps of the real runner
 (`python launch.py step=ppo ...`, against the rule, no critic) on the model, and each phase's
 achieved rate from the step's own figures (``generate_tflops``, ``scoring_tflops``,
 ``update_tflops``: the matrix-product FLOPs of the work done, rlhf.runners.ppo.phase_flops) as a share
 of the ceiling at its shapes; the last step is profiled (``logging.profile_step``) for the
-optimizer's time (its bytes against the bandwidth) and for the share of the step spent outside the
-model's arithmetic (copies and casts, cache writes, and the host's own time between operators).
+optimizer's time against its floor and for the share of the step spent outside the model's
+arithmetic (copies and casts, cache writes, and the host's own time between operators).
 
 A decoding step reads every weight once: at small batches the bandwidth floor (weights' bytes /
 bandwidth) binds before the matmul rate; the table says which floor binds at the run's batch.
@@ -34,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -69,10 +69,12 @@ def matmul_rate(sizes, layer_rows: int, head_rows: int, dtype: torch.dtype, thre
     with torch.no_grad():
         for fan_in, fan_out, rows, times in shapes:
             x, w = torch.randn(rows, fan_in, dtype=dtype), torch.randn(fan_out, fan_in, dtype=dtype)
-            F.linear(x, w)  # first call: the library picks its kernel
+            # Into one output tensor: the products' own rate, not a fresh output's first-touch page faults.
+            y = torch.empty(rows, fan_out, dtype=dtype)
+            torch.matmul(x, w.t(), out=y)  # first call: the library picks its kernel
             n, start = 0, time.perf_counter()
             while n < 3 or time.perf_counter() - start < budget_s / len(shapes):
-                F.linear(x, w)
+                torch.matmul(x, w.t(), out=y)
                 n += 1
             flops += 2 * rows * fan_in * fan_out * times
             seconds += (time.perf_counter() - start) / n * times
@@ -80,16 +82,33 @@ def matmul_rate(sizes, layer_rows: int, head_rows: int, dtype: torch.dtype, thre
 
 
 def bandwidth(threads: int, mib: int = 512) -> float:
-    """Bytes/s of a copy of ``mib`` MiB (read and write counted): the best of 5."""
+    """Bytes/s of STREAM's triad (c = a + 2 b over ``mib`` MiB arrays; two reads and a write counted):
+    the best of 5."""
     torch.set_num_threads(threads)
-    a = torch.ones(mib * 2**20 // 4)
-    b = torch.empty_like(a)
+    a, b = torch.ones(mib * 2**20 // 4), torch.ones(mib * 2**20 // 4)
+    c = torch.empty_like(a)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        b.copy_(a)
+        torch.add(a, b, alpha=2.0, out=c)
         best = min(best, time.perf_counter() - start)
-    return 2 * a.numel() * 4 / best
+    return 3 * a.numel() * 4 / best
+
+
+def adamw_ms(params: int, threads: int) -> float:
+    """Milliseconds of torch's fused AdamW (the runner's optimizer on CPU) over ``params`` fp32 parameters in
+    one tensor: the fastest this machine steps that many, the best of 3."""
+    torch.set_num_threads(threads)
+    p = torch.nn.Parameter(torch.ones(params))
+    p.grad = torch.ones(params)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    opt.step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def run_grpo(name: str, threads: int, steps: int, out: Path) -> tuple[list[dict], dict]:
@@ -121,39 +140,42 @@ def measure(name: str, threads: int, steps: int, precision: str, out: Path) -> d
     cfg = to_schema(compose_config([*MODELS[name]["model"], "step=ppo", *GRPO, *MODELS[name]["ppo"]]))
     sizes, step = model_sizes(cfg.model), cfg.step
     rows, width, answer = step.rollout_batch_size_per_device, step.max_prompt_len + step.max_new_tokens, step.max_new_tokens
+    # Rows per product: the rollout batch (or its generation chunks) when generating and scoring, a
+    # micro batch in the updates; at most max_prompt_len + max_new_tokens positions each.
+    scored, micro = step.generation_batch_size_per_device or rows, step.micro_batch_size_per_device
     logged, profile = run_grpo(name, threads, steps, out / name)
     measured = logged[1:] or logged  # the first step warms the allocator and the kernels' choices
     dtype = DTYPES[precision]
     # The ceilings at each phase's shapes: a decoding step feeds one row per sequence; the scoring
     # forwards and the updates every position of the batch (the head on the answer's only).
-    decode_peak = matmul_rate(sizes, rows, rows, dtype, threads)
-    batch_peak = matmul_rate(sizes, rows * width, rows * answer, dtype, threads)
-    # The other precision's rate at the same shapes: what a switch of hardware.precision could gain.
+    decode_peak = matmul_rate(sizes, scored, scored, dtype, threads)
+    scoring_peak = matmul_rate(sizes, scored * width, scored * answer, dtype, threads)
+    update_peak = matmul_rate(sizes, micro * width, micro * answer, dtype, threads)
+    # The other precision's rate at the update's shapes: what a switch of hardware.precision could gain.
     other = "bf16" if precision == "fp32" else "fp32"
-    batch_other = matmul_rate(sizes, rows * width, rows * answer, DTYPES[other], threads)
-    memory = bandwidth(threads)
+    update_other = matmul_rate(sizes, micro * width, micro * answer, DTYPES[other], threads)
+    memory, optimizer_floor = bandwidth(threads), adamw_ms(sizes.params, threads)
     weight_bytes = sizes.params * dtype.itemsize
-    decode_flops = 2 * rows * (sizes.layer_params + sizes.head_params)
+    decode_flops = 2 * scored * (sizes.layer_params + sizes.head_params)
     median = {k: statistics.median(r[k] for r in measured) for k in
               ("generate_tflops", "scoring_tflops", "update_tflops", "tflops", "step_s", "generate_s", "train_s")}
     wall = profile["wall_ms"]
     kinds = profile["by_kind_ms"]
-    # AdamW in fp32 reads parameter, gradient and both moments and writes three of them: 28 bytes each.
     optimizer_ms = kinds.get("optimizer", 0.0)
     outside = profile["idle_ms"] + kinds.get("copy_cast", 0.0) + kinds.get("cache_write", 0.0)
     return {
         "model": name, "threads": threads, "precision": precision, "rows": rows, "width": width,
-        "matmul_gflops_decode": round(decode_peak / 1e9, 1), "matmul_gflops_batch": round(batch_peak / 1e9, 1),
-        f"matmul_gflops_batch_{other}": round(batch_other / 1e9, 1),
+        "matmul_gflops_decode": round(decode_peak / 1e9, 1), "matmul_gflops_scoring": round(scoring_peak / 1e9, 1),
+        "matmul_gflops_update": round(update_peak / 1e9, 1), f"matmul_gflops_update_{other}": round(update_other / 1e9, 1),
         "bandwidth_gbs": round(memory / 1e9, 1),
         # Which floor binds a decoding step at this batch: its FLOPs at the matmul rate, or its weights' bytes.
         "decode_floor_ms": {"compute": round(decode_flops / decode_peak * 1e3, 2),
                             "memory": round(weight_bytes / memory * 1e3, 2)},
         "generate_share": round(median["generate_tflops"] * 1e12 / decode_peak, 3),
-        "scoring_share": round(median["scoring_tflops"] * 1e12 / batch_peak, 3),
-        "update_share": round(median["update_tflops"] * 1e12 / batch_peak, 3),
-        "optimizer_ms": round(optimizer_ms, 1),
-        "optimizer_bandwidth_share": round(28 * sizes.params / (optimizer_ms / 1e3) / memory, 3) if optimizer_ms else None,
+        "scoring_share": round(median["scoring_tflops"] * 1e12 / scoring_peak, 3),
+        "update_share": round(median["update_tflops"] * 1e12 / update_peak, 3),
+        "optimizer_ms": round(optimizer_ms, 1), "optimizer_floor_ms": round(optimizer_floor, 1),
+        "optimizer_share": round(optimizer_floor / optimizer_ms, 3) if optimizer_ms else None,
         "outside_model_share": round(outside / wall, 3), "host_idle_share": round(profile["idle_ms"] / wall, 3),
         "profile_kinds_ms": {k: round(v, 1) for k, v in kinds.items()}, "profile_wall_ms": round(wall, 1),
         "step_s": round(median["step_s"], 2), "tflops": round(median["tflops"], 4), "steps_measured": len(measured),
@@ -161,16 +183,16 @@ def measure(name: str, threads: int, steps: int, precision: str, out: Path) -> d
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | threads | matmul GFLOP/s decode / batch | bandwidth GB/s | decode floor ms compute / memory | "
-             "generation | scoring | update | optimizer (of bandwidth) | outside the model's arithmetic | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | threads | matmul GFLOP/s decode / scoring / update | triad GB/s | decode step floor ms, "
+             "compute / memory | generation | scoring | update | optimizer ms (floor) | outside the model's "
+             "arithmetic (host) | step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         floor = r["decode_floor_ms"]
-        opt = f"{r['optimizer_ms']} ms ({r['optimizer_bandwidth_share']:.0%})" if r["optimizer_ms"] else "-"
-        lines.append(f"| {r['model']} | {r['threads']} | {r['matmul_gflops_decode']} / {r['matmul_gflops_batch']} | "
-                     f"{r['bandwidth_gbs']} | {floor['compute']} / {floor['memory']} | {r['generate_share']:.0%} | "
-                     f"{r['scoring_share']:.0%} | {r['update_share']:.0%} | {opt} | {r['outside_model_share']:.0%} "
-                     f"(host {r['host_idle_share']:.0%}) | {r['step_s']} |")
+        opt = f"{r['optimizer_ms']} ({r['optimizer_floor_ms']})" if r["optimizer_ms"] else "-"
+        lines.append(f"| {r['model']} | {r['threads']} | {r['matmul_gflops_decode']} / {r['matmul_gflops_scoring']} / "
+                     f"{r['matmul_gflops_update']} | {r['bandwidth_gbs']} | {floor['compute']} / {floor['memory']} | "
+                     f"{r['generate_share']:.0%} | {r['scoring_share']:.0%} | {r['update_share']:.0%} | {opt} | "
+                     f"{r['outside_model_share']:.0%} ({r['host_idle_share']:.0%}) | {r['step_s']} |")
     return "\n".join(lines)
 
 
