@@ -10,8 +10,6 @@ loaded from there like any checkpoint, so a hub id works unchanged wherever a hu
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers import (
     AttentionInterface,
@@ -47,6 +45,7 @@ from rlhf.models.files import (
     gguf_config,
     gguf_location,
     gguf_model_dir,
+    gguf_tokenizer,
     random_model_dir,
     resolve_path,
     train_tokenizer,
@@ -59,20 +58,12 @@ from rlhf.models.sizes import (
     sizes_from_config,
 )
 
-_GGUF_TOKENIZERS: dict[tuple, object] = {}
-
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | None = None):
     """The tokenizer of a checkpoint folder or hub id, or of a GGUF file (read from its metadata, without
     converting its weights), set up as every step uses it."""
     if gguf := gguf_location(path, gguf_file):
-        # transformers rebuilds a GGUF's tokenizer from the whole file's metadata (seconds for a 49k
-        # vocabulary), and a chain's dry-run asks for it once per step and check: read once per process.
-        stat = gguf.stat()
-        key = (str(gguf), stat.st_size, stat.st_mtime_ns)
-        if key not in _GGUF_TOKENIZERS:
-            _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = copy.deepcopy(_GGUF_TOKENIZERS[key])  # each caller sets its own eos and pad below
+        tokenizer = gguf_tokenizer(gguf)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     # An answer ends where its chat template closes the turn: where that is one special token other

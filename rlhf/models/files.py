@@ -7,6 +7,7 @@ once into a Hugging Face folder, and the path every loader reads.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -283,17 +284,32 @@ def check_gguf(file: Path) -> None:
                           + "; convert it to a Hugging Face folder with llama.cpp's tools, or use another quantization")
 
 
+# What transformers reads from a GGUF's metadata, once per process per file (by path, size and
+# modification time): each read parses the whole metadata, seconds for a 49k-token vocabulary, and a
+# chain's dry-run asks once per step and check.
 _GGUF_CONFIGS: dict[tuple, object] = {}
+_GGUF_TOKENIZERS: dict[tuple, object] = {}
+
+
+def _gguf_key(file: Path) -> tuple:
+    stat = file.stat()
+    return str(file), stat.st_size, stat.st_mtime_ns
 
 
 def gguf_config(file: Path):
     """The transformers config in a GGUF's metadata, without reading its weights (once per process)."""
-    stat = file.stat()
-    key = (str(file), stat.st_size, stat.st_mtime_ns)
-    if key not in _GGUF_CONFIGS:
+    if (key := _gguf_key(file)) not in _GGUF_CONFIGS:
         check_gguf(file)
         _GGUF_CONFIGS[key] = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     return _GGUF_CONFIGS[key]
+
+
+def gguf_tokenizer(file: Path):
+    """The tokenizer in a GGUF's metadata, as transformers builds it (once per process): a copy of it,
+    which the caller may set up as it needs."""
+    if (key := _gguf_key(file)) not in _GGUF_TOKENIZERS:
+        _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    return copy.deepcopy(_GGUF_TOKENIZERS[key])
 
 
 def gguf_model_dir(file: Path) -> Path:

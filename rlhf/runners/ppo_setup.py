@@ -38,7 +38,6 @@ class Roles:
     ds_configs: dict
     n_actor: int
     n_critic: int
-    n_reward: int
 
 
 @dataclass
@@ -155,8 +154,7 @@ def build_roles(cfg: Config, tokenizer, paths: tuple[str, str, str], eval_prompt
     ds_configs = {k: v for k, v in {"actor": actor_ds, "reference": ref_ds, "critic": critic_ds,
                                     "reward": reward_ds}.items() if v}
     return Roles(tokenizer, actor_path, actor, ref, critic, reward, rule_fn, truth or rule_fn, ds_configs,
-                 count_params(actor.module), count_params(critic.module) if critic else 0,
-                 count_params(reward.module) if reward else 0)
+                 count_params(actor.module), count_params(critic.module) if critic else 0)
 
 
 def _forever(loader):
