@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlhf import sequence
 from rlhf.config import Config
 
 
@@ -167,6 +168,7 @@ def main(cfg: Config) -> dict:
     clear_stale_build_locks()
     build_shared_artifacts(cfg)
     init_distributed(cfg)
+    sequence.setup(cfg.parallel.sequence)
     seed_everything(cfg.seed)
     return RUNNERS[cfg.step.name](cfg)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf import losses
+from rlhf import losses, sequence
 
 
 def t(x, dtype=torch.float32):
@@ -561,7 +561,10 @@ def test_kto_reference_point_is_the_mean_over_every_ranks_partners(tmp_path):
 def test_sequence_logprob_sums_the_answer_tokens_only():
     logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each token costs log 4
     ids, answer = t([[1, 2, 3]], torch.long), t([[0, 1, 1]])
-    assert losses.sequence_logprob(logits, ids, answer).item() == pytest.approx(-2 * math.log(4), abs=1e-6)
+    next_logp = losses.token_logprobs(logits, sequence.next_tokens(ids))  # the next token's; the last predicts none
+    assert losses.sequence_logprob(next_logp, answer).item() == pytest.approx(-2 * math.log(4), abs=1e-6)
+    next_logp = torch.tensor([[-1.0, -2.0, -4.0]])
+    assert losses.sequence_logprob(next_logp, answer).item() == -3.0  # tokens 1 and 2, predicted at 0 and 1
 
 
 def test_log_probs_and_entropy_in_row_chunks_equal_one_pass_over_the_whole_tensor(monkeypatch):

@@ -281,6 +281,19 @@ class RoleConfig:
                               f"{', '.join(options)}")
 
 
+# --------------------------------------------------------------------------- parallelism
+@dataclass
+class ParallelConfig:
+    # Ranks that share each sequence (DeepSpeed Ulysses sequence parallelism): each runs 1/N of
+    # every sequence's tokens and attends over the whole sequence with 1/N of the heads, so
+    # activation memory per rank falls N-fold; the world's ranks form world/N data-parallel groups.
+    # 1: off.
+    sequence: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallel.sequence", self.sequence)
+
+
 # --------------------------------------------------------------------------- launch & logging
 @dataclass
 class LaunchConfig:

@@ -23,6 +23,7 @@ from rlhf.config.groups import (
     LoraConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RoleConfig,
     ZeroConfig,
     looks_local,
@@ -92,6 +93,7 @@ class Config:
     data: DataConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # PPO roles: actor (and its frozen reference) from SFT, critic (and frozen reward) from the reward model.
@@ -112,6 +114,11 @@ class Config:
     def world_size(self) -> int:
         return self.hardware.world_size
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different rows: the world over the ranks that share each sequence."""
+        return self.hardware.world_size // self.parallel.sequence
+
     def __post_init__(self) -> None:
         _choice("resume", self.resume, ("auto", "never"))
         if self.step.name not in STEP_SCHEMAS:
@@ -120,14 +127,22 @@ class Config:
         if self.launch.node_rank >= self.hardware.nodes:
             raise ConfigError(f"launch.node_rank={self.launch.node_rank} but hardware.nodes={self.hardware.nodes}: "
                               f"node ranks are 0 .. {self.hardware.nodes - 1}")
+        sp = self.parallel.sequence
+        if self.world_size % sp:
+            raise ConfigError(f"parallel.sequence={sp} does not divide the {self.world_size} ranks "
+                              f"(hardware.nodes x hardware.devices_per_node); choose a divisor of {self.world_size}")
+        if sp > 1 and not STEPS[self.step.name].slices_sequences:
+            raise ConfigError(f"parallel.sequence={sp} is not supported for {STEPS[self.step.name].label}: its "
+                              "rollouts are generated whole on every rank; set parallel.sequence=1")
         # The batch arithmetic, derived once here: every later reader sees one consistent pair.
-        per_step = self.step.micro_batch_size_per_device * self.world_size
+        ranks = (f"data-parallel ranks ({self.data_parallel_size} = {self.world_size} ranks / parallel.sequence={sp})"
+                 if sp > 1 else f"world size ({self.world_size} = hardware.nodes x hardware.devices_per_node)")
+        per_step = self.step.micro_batch_size_per_device * self.data_parallel_size
         if self.step.global_batch_size is not None:
             if self.step.global_batch_size % per_step:
                 raise ConfigError(
                     f"step.global_batch_size={self.step.global_batch_size} is not divisible by "
-                    f"step.micro_batch_size_per_device ({self.step.micro_batch_size_per_device}) x world size "
-                    f"({self.world_size} = hardware.nodes x hardware.devices_per_node)")
+                    f"step.micro_batch_size_per_device ({self.step.micro_batch_size_per_device}) x {ranks}")
             self.step.gradient_accumulation_steps = self.step.global_batch_size // per_step
         self.step.global_batch_size = per_step * self.step.gradient_accumulation_steps
         random = self.model.random_init and self.model.max_positions is not None

@@ -12,15 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf.losses.tokens import token_logprobs
-
 
 # ----------------------------------------------------------------------------------------- DPO
-def sequence_logprob(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def sequence_logprob(next_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of log p(token | prefix) over the tokens where ``loss_mask`` is 1 (the answer), per row.
-    ``logits[t]`` predicts ``input_ids[t + 1]``; ``loss_mask`` is aligned with ``input_ids``."""
-    logp = token_logprobs(logits[:, :-1], input_ids[:, 1:])
-    return (logp * loss_mask[:, 1:].to(logp.dtype)).sum(-1)
+    ``next_logp[t]`` is the log-prob of the token at t + 1 (its last column predicts nothing);
+    ``loss_mask`` is aligned with the tokens."""
+    return (next_logp[:, :-1] * loss_mask[:, 1:].to(next_logp.dtype)).sum(-1)
 
 
 def dpo_sigmoid(margin: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:

@@ -209,9 +209,10 @@ class RewardModel(torch.nn.Module):
     def from_config(cls, config, dtype: torch.dtype = torch.float32) -> RewardModel:
         return cls(sequence_classifier(config).from_config(config, dtype=dtype))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        # Positions from the mask, so a left-padded row scores as it would unpadded.
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:  # from the mask, so a left-padded row scores as it would unpadded
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
                                                        position_ids=position_ids).last_hidden_state
         return self.score(hidden).squeeze(-1).float()

@@ -14,6 +14,7 @@ from pathlib import Path
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from rlhf import sequence
 from rlhf.chain.readiness import cut_answers
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
@@ -22,8 +23,10 @@ from rlhf.observe.logging import MetricsLogger, peak_memory_gb, train_flops
 
 
 def train_sampler(ds, cfg: Config, rank: int, world: int) -> DistributedSampler:
-    """Rank ``rank``'s shuffled share of the train rows (set to each epoch by the loop)."""
-    return DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    """Rank ``rank``'s shuffled share of the train rows (set to each epoch by the loop); the ranks that
+    share each sequence (parallel.sequence) read the same rows."""
+    return DistributedSampler(ds, num_replicas=sequence.data_world(world), rank=sequence.data_rank(rank),
+                              shuffle=True, seed=cfg.seed, drop_last=True)
 
 
 def train_loader(ds, cfg: Config, rank: int, world: int, collate) -> tuple[DataLoader, DistributedSampler]:
@@ -36,7 +39,8 @@ def train_loader(ds, cfg: Config, rank: int, world: int, collate) -> tuple[DataL
 def eval_loader(ds, cfg: Config, rank: int, world: int, collate) -> DataLoader:
     # DistributedSampler pads ranks to equal length: under ZeRO-3 every rank must run as many forwards.
     return DataLoader(ds, batch_size=cfg.step.eval_micro_batch_size_per_device, collate_fn=collate,
-                      sampler=DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
+                      sampler=DistributedSampler(ds, num_replicas=sequence.data_world(world),
+                                                 rank=sequence.data_rank(rank), shuffle=False))
 
 
 def mean_eval(engine, loader, names: tuple[str, ...], figures) -> dict[str, float]:
@@ -183,7 +187,9 @@ class Throughput:
     def __init__(self, cfg: Config, n_params: int, world: int):
         from rlhf.models import model_sizes
 
-        self.cfg, self.n_params, self.world = cfg, n_params, world
+        # The ranks that share each sequence (parallel.sequence) each count the same rows: the rows and
+        # tokens are those of the data-parallel groups, the FLOPs per device over all ranks.
+        self.cfg, self.n_params, self.world, self.readers = cfg, n_params, world, sequence.data_world(world)
         # Layers and width from the model's config.json (as the pre-flight read them), not conf/model's numbers.
         sizes = model_sizes(cfg.model)
         self.layers, self.hidden = sizes.num_layers, sizes.hidden_size
@@ -213,8 +219,8 @@ class Throughput:
         elapsed = time.perf_counter() - self.start
         steps = self.micro / self.cfg.step.gradient_accumulation_steps
         flops = train_flops(self.n_params, self.layers, self.hidden,
-                            self.padded * self.world, self.seq_len, self.cfg.step.gradient_checkpointing)
-        out = {"samples_per_s": rows_per_step * steps / elapsed, "tokens_per_s": self.tokens * self.world / elapsed,
+                            self.padded * self.readers, self.seq_len, self.cfg.step.gradient_checkpointing)
+        out = {"samples_per_s": rows_per_step * steps / elapsed, "tokens_per_s": self.tokens * self.readers / elapsed,
                "tflops": flops / elapsed / 1e12 / self.world, "latency_s": elapsed / max(steps, 1e-9),
                "memory_gb": peak_memory_gb(self.cfg.hardware.accelerator)}
         self.reset()

@@ -24,7 +24,7 @@ from datasets import Dataset, concatenate_datasets
 from torch.utils.data import DistributedSampler
 
 from rlhf import engine as engine_factory
-from rlhf import losses, models
+from rlhf import losses, models, sequence
 from rlhf.config import STEPS, Config
 from rlhf.data.tokenize import PairCollator, pair_dataset
 from rlhf.generation import rollout
@@ -39,8 +39,9 @@ def pair_logprobs(engine, batch: dict, partner_grad: bool = True) -> torch.Tenso
     the backward and its activations cover the rows' answers alone."""
     def logp(rows: slice) -> torch.Tensor:
         ids = batch["input_ids"][rows]
-        logits = engine(input_ids=ids, attention_mask=batch["attention_mask"][rows]).logits
-        return losses.sequence_logprob(logits, ids, batch["answer_mask"][rows])
+        next_logp = sequence.per_token(engine, ids, batch["attention_mask"][rows], sequence.next_tokens(ids),
+                                       lambda out, nxt: losses.token_logprobs(out.logits, nxt))
+        return losses.sequence_logprob(next_logp, batch["answer_mask"][rows])
 
     if partner_grad or not torch.is_grad_enabled():
         return logp(slice(None))
@@ -91,7 +92,8 @@ def precompute_reference(ref, ds, collate, batch_size: int, rows: list[int] | No
     """ds with the reference's summed log-probs of each row's two answers as columns ref_chosen /
     ref_rejected, for ``rows`` (default: all; the others get NaN, which scored() refuses to train on).
     Each rank scores its share; the shares are gathered so that every rank holds all."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # The ranks that share each sequence (parallel.sequence) score the same rows.
+    rank, world = sequence.data_rank(dist.get_rank()), sequence.data_world(dist.get_world_size())
     ref.eval()
     rows = list(range(len(ds))) if rows is None else rows
     # No shuffle: the share is a fixed slice; padded to equal length (ZeRO-3 ranks must run alike).
@@ -102,7 +104,7 @@ def precompute_reference(ref, ds, collate, batch_size: int, rows: list[int] | No
         batch = {k: v.to(ref.device) for k, v in collate([ds[j] for j in idx]).items()}
         chosen, rejected = losses.halves(pair_logprobs(ref, batch))
         found.update(zip(idx, zip(chosen.float().tolist(), rejected.float().tolist(), strict=True), strict=True))
-    shares = [None] * world
+    shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, found)
     merged = {k: v for share in shares for k, v in share.items()}
     nan = (float("nan"), float("nan"))

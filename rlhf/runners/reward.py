@@ -25,7 +25,7 @@ import torch.distributed as dist
 from datasets import Dataset, concatenate_datasets
 
 from rlhf import engine as engine_factory
-from rlhf import losses, models
+from rlhf import losses, models, sequence
 from rlhf.checkpoint import save_hf_model
 from rlhf.config import Config
 from rlhf.data import synthetic
@@ -40,9 +40,13 @@ from rlhf.runners import common, loop
 POLICY_TEMPERATURE = 1.0
 
 
+def _scores(values: torch.Tensor, _) -> torch.Tensor:
+    return values  # a reward model's output is already one score per token
+
+
 def pair_scores(engine, batch: dict, score_at: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss before regularization, chosen scores, rejected scores) of a PairCollator batch."""
-    values = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    values = sequence.per_token(engine, batch["input_ids"], batch["attention_mask"], None, _scores)
     half = values.shape[0] // 2
     scores = losses.gather_at(values, losses.end_indices(batch["attention_mask"]))
     chosen, rejected = scores[:half], scores[half:]
@@ -84,8 +88,11 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
     how well one score threshold separates right from wrong across prompts -- what PPO needs, since
     it compares rewards of different prompts.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # The ranks that share each sequence (parallel.sequence) score the same candidates; one of them counts.
+    rank, world = sequence.data_rank(dist.get_rank()), sequence.data_world(dist.get_world_size())
     mine, counted = rank_share(cands, rank, world), first_copies(len(cands), rank, world)
+    if dist.get_rank() % sequence.size():
+        counted = 0
     engine.eval()
     scores, labels, agree, pairs = [], [], 0, 0
     for j, (prompt, answers) in enumerate(mine):
@@ -96,7 +103,7 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
         mask = torch.zeros_like(ids)
         for i, s in enumerate(seqs):
             ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-        values = engine(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device))
+        values = sequence.per_token(engine, ids.to(engine.device), mask.to(engine.device), None, _scores)
         s = losses.gather_at(values, losses.end_indices(mask.to(engine.device))).cpu()
         if j >= counted:  # a wrapped-round copy: scored for ZeRO-3's equal forwards, counted once elsewhere
             continue
@@ -107,7 +114,7 @@ def rule_check(engine, tokenizer, cands: list[tuple[str, list]]) -> dict[str, fl
         scores.append(s)
         labels.append(y)
     engine.train()
-    gathered = [None] * world
+    gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (torch.cat(scores) if scores else torch.zeros(0),
                                       torch.cat(labels) if labels else torch.zeros(0), agree, pairs))
     all_scores = torch.cat([g[0] for g in gathered])

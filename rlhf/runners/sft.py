@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf import models
+from rlhf import models, sequence
 from rlhf.chain import readiness
 from rlhf.config import Config
 from rlhf.data.blend import data_rule, heldout_split
@@ -23,6 +23,23 @@ from rlhf.data.tokenize import IGNORE_INDEX, PackCollator, PadCollator, sft_data
 from rlhf.generation import rollout
 from rlhf.preflight import memory
 from rlhf.runners import common, loop
+
+
+def token_nll(out, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's loss on the label after it (0 where that label is ignored)."""
+    return torch.nn.functional.cross_entropy(out.logits.transpose(1, 2).float(), labels, ignore_index=IGNORE_INDEX,
+                                             reduction="none")
+
+
+def lm_loss(engine, batch: dict) -> torch.Tensor:
+    """The mean next-token loss over the micro batch's labelled tokens: transformers' own, or, with the
+    rows' tokens split over ranks (parallel.sequence), the same mean from the gathered per-token losses."""
+    if sequence.size() == 1:
+        return engine(**batch, use_cache=False).loss
+    labels = batch["labels"]
+    nll = sequence.per_token(engine, batch["input_ids"], batch["attention_mask"],
+                             sequence.next_tokens(labels, IGNORE_INDEX), token_nll, use_cache=False)
+    return nll.sum() / (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 @torch.no_grad()
@@ -33,11 +50,9 @@ def perplexity(engine, loader) -> dict[str, float]:
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, token count
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
-                                                 ignore_index=IGNORE_INDEX, reduction="sum")
-        totals += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
+        nll = sequence.per_token(engine, batch["input_ids"], batch["attention_mask"],
+                                 sequence.next_tokens(batch["labels"], IGNORE_INDEX), token_nll)
+        totals += torch.stack([nll.sum().double(), (batch["labels"][:, 1:] != IGNORE_INDEX).sum().double()])
     dist.all_reduce(totals)
     engine.train()
     mean = (totals[0] / totals[1].clamp(min=1)).item()
@@ -188,7 +203,7 @@ def run(cfg: Config) -> dict:
     # position_ids (step.packing) and attention would cross them.
     loop.train(cfg, state, ckpt, logger, loop.Supervised(
         cfg, engine, loader, sampler, ckpt, state, logger, n_params,
-        lambda batch: (engine(**batch, use_cache=False).loss, {}), ready, "SFT loss"))
+        lambda batch: (lm_loss(engine, batch), {}), ready, "SFT loss"))
     if report_prompts:  # the output's reported accuracy, on prompts the stop rule never read
         reported = {**greedy(report_prompts), **beside_report, "lr_drops": float(state.lr_drops),
                     "lr_peak": peak_lr(engine)}

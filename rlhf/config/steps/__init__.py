@@ -21,6 +21,7 @@ from rlhf.config.groups import (
     LoraConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RoleConfig,
     ZeroConfig,
 )
@@ -73,7 +74,8 @@ def step_delta(step_schema: type) -> type:
     """Delta of everything a step of a chain may set differently from the others."""
     sections = {"model": ModelConfig, "zero": ZeroConfig, "step": step_schema, "data": DataConfig,
                 "optim": OptimConfig, "lora": LoraConfig, "actor": RoleConfig, "critic": RoleConfig,
-                "reward": RoleConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+                "reward": RoleConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+                "parallel": ParallelConfig}
     name = f"{step_schema.__name__}Delta"
     deltas = {k: _delta_of(v, f"{name}_{k}") for k, v in sections.items()}
     fields_ = [(k, d, field(default_factory=d)) for k, d in deltas.items()]
@@ -134,6 +136,12 @@ class StepSpec:
     def generates(self) -> bool:
         """Whether it trains on answers it generates (rollouts): decode memory, rollout forecasts."""
         return self.rows == "rollouts"
+
+    @property
+    def slices_sequences(self) -> bool:
+        """Whether parallel.sequence can split its rows' tokens over ranks: every forward it trains
+        through is over whole rows it was given, not over answers it generates as it trains."""
+        return not self.generates
 
     @property
     def supervised_policy(self) -> bool:

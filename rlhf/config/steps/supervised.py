@@ -51,6 +51,12 @@ class SFTStepConfig(GreedyEvalStepConfig):
     def stops_when_ready(self) -> bool:
         return self.stop_at_accuracy is not None or bool(self.early_stop_patience)
 
+    def check_run(self, cfg) -> None:
+        if self.packing and cfg.parallel.sequence > 1:
+            raise ConfigError(f"step.packing=true with parallel.sequence={cfg.parallel.sequence}: the attention over "
+                              "a sliced sequence takes its causal order from the positions alone and would reach "
+                              "across packed rows; set step.packing=false")
+
 
 @dataclass
 class RewardStepConfig(StepConfig):
