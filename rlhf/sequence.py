@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlhf.errors import ConfigError
+
 # Model types whose attention receives the positions the model was given (the mark that slices a
 # forward travels with them) and whose loss and gradients tests/test_sequence.py checks against the
 # unsliced run. Not OPT: its attention never sees position_ids, so its slices would attend alone.
@@ -105,32 +107,35 @@ def _layer(attention, module, batch: int):
     return _ulysses[key]
 
 
-def refusal(config, attn_implementation: str | None) -> str | None:
-    """Why a model of ``config`` cannot run with ``size()`` ranks per sequence (None when it can)."""
-    if _size == 1:
+def problems(model_type: str, name: str, heads: int, kv_heads: int, n: int) -> str | None:
+    """Why parallel.sequence=n cannot run a model of these sizes (None when it can): its family must
+    be one whose slices attend as one sequence, and every rank must hold whole heads. The pre-flight
+    asks this from the model's config.json before anything loads, the run again of the loaded model."""
+    if n == 1:
         return None
-    return problems(config, attn_implementation, _size)
-
-
-def problems(config, attn_implementation: str | None, n: int) -> str | None:
-    """Why parallel.sequence=n cannot run a model of ``config`` (None when it can): every rank must
-    hold whole heads, and the attention must take its causal order from the positions."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    name = (getattr(config, "architectures", None) or [getattr(config, "model_type", "model")])[0]
-    if getattr(config, "model_type", None) not in MODEL_TYPES:
-        return (f"parallel.sequence={n} is not supported for {name} (model type {getattr(config, 'model_type', None)!r}): "
-                f"supported model types: {', '.join(MODEL_TYPES)}; set parallel.sequence=1")
+    if model_type not in MODEL_TYPES:
+        return (f"parallel.sequence={n} is not supported for {name} (model type {model_type!r}): supported model "
+                f"types: {', '.join(MODEL_TYPES)}; set parallel.sequence=1")
     if heads % n:
-        return (f"parallel.sequence={n} does not divide {name}'s {heads} attention heads: each rank attends "
-                f"with whole heads; choose a divisor of {heads}")
-    if kv % n and n % kv:
-        return (f"parallel.sequence={n} and {name}'s {kv} key/value heads: one must divide the other "
-                f"(each rank holds whole key/value heads, or copies of one)")
-    if attn_implementation is not None and attn_implementation not in WRAPPED:
-        return (f"{name} attends through {attn_implementation!r}, which needs a mask over the whole sequence; "
-                f"parallel.sequence needs one of {', '.join(WRAPPED[:1] + WRAPPED[2:])} (model.attn_implementation)")
+        return (f"parallel.sequence={n} does not divide {name}'s {heads} attention heads (each rank attends with "
+                f"whole heads); choose a divisor of {heads}")
+    if kv_heads % n and n % kv_heads:
+        return (f"parallel.sequence={n} and {name}'s {kv_heads} key/value heads: one must divide the other (each rank "
+                f"holds whole key/value heads, or copies of one)")
+    return None
+
+
+def model_problems(model) -> str | None:
+    """``problems`` of a loaded model (an engine's module, a PEFT model, a reward model), and its attention."""
+    config = getattr(model, "module", model).config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    name = (config.architectures or [config.model_type])[0]
+    if why := problems(config.model_type, name, heads, getattr(config, "num_key_value_heads", None) or heads, _size):
+        return why
+    if _size > 1 and config._attn_implementation not in WRAPPED:
+        return (f"{name} attends through {config._attn_implementation!r}, which needs a mask over the whole sequence; "
+                f"parallel.sequence needs one of {', '.join(WRAPPED)}")
     return None
 
 
@@ -163,9 +168,8 @@ def per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, targ
     token's id or label) is sliced alike."""
     if _size == 1:
         return fn(model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs), targets)
-    config = getattr(model, "module", model).config
-    if why := refusal(config, getattr(config, "_attn_implementation", None)):
-        raise RuntimeError(why)
+    if why := model_problems(model):
+        raise ConfigError(why)
     rows, width = input_ids.shape
     part = -(-width // _size)
     pad = part * _size - width

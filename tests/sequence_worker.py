@@ -1,8 +1,8 @@
 """One process of tests/test_sequence.py: the loss and every parameter's gradient, as the optimizer
-receives them from real DeepSpeed engines at ZeRO 0-3, of the three kinds of loss the training steps
-take from ``rlhf.sequence.per_token`` (SFT's token-mean NLL, the DPO family's summed answer log-probs,
-the reward model's last-token score), for tiny random models of several families, on right-padded
-rows whose width does not divide the group. On one rank the rows run whole; on two ranks with
+receives them from real DeepSpeed engines at ZeRO 0-3, of the runners' own loss code (SFT's lm_loss,
+the preference runner's summed answer log-probs under DPO's loss, the reward runner's pairwise loss),
+for tiny random models of several families, on right-padded rows whose width does not divide the
+group. On one rank the rows run whole; on two ranks with
 parallel.sequence=2 each rank runs half of every row. Rank 0 writes {"family/loss/zero": (loss,
 {name: gradient})} to OUT.
 
@@ -22,7 +22,9 @@ from deepspeed.utils import safe_get_full_grad
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf import losses, sequence
+from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.models import RewardModel
+from rlhf.runners import preference, reward, sft
 from rlhf.worker import quiet_libraries
 
 ROWS, WIDTH, VOCAB = 4, 13, 96
@@ -35,6 +37,12 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1),
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=8),
 }
+
+# Every loss at every ZeRO stage on llama; every loss at stage 2 on the other families; SFT with
+# gradient checkpointing at stages 0 and 3.
+CASES = [("llama", kind, stage, False) for kind in ("sft", "logp", "reward") for stage in range(4)] + \
+    [(family, kind, 2, False) for family in FAMILIES if family != "llama" for kind in ("sft", "logp", "reward")] + \
+    [("llama", "sft", stage, True) for stage in (0, 3)]
 
 
 def config(family: str):
@@ -53,20 +61,16 @@ def rows():
     return ids * mask, mask, answer
 
 
-def loss(kind: str, model, ids, mask, answer) -> torch.Tensor:
-    if kind == "sft":  # the token-mean NLL over the answers (SFT)
-        labels = torch.where(answer.bool(), ids, -100)
-        nll = sequence.per_token(model, ids, mask, sequence.next_tokens(labels, -100), lambda out, t: torch.nn.functional.cross_entropy(
-            out.logits.transpose(1, 2).float(), t, ignore_index=-100, reduction="none"))
-        return nll[:, :-1].sum() / (labels[:, 1:] != -100).sum()
-    if kind == "logp":  # summed answer log-probs, paired as chosen/rejected (the DPO family)
-        logp = sequence.per_token(model, ids, mask, sequence.next_tokens(ids),
-                                  lambda out, t: losses.token_logprobs(out.logits, t))
-        seq = (logp[:, :-1] * answer[:, 1:]).sum(-1)
-        return -torch.nn.functional.logsigmoid(0.1 * (seq[:2] - seq[2:])).mean()
-    values = sequence.per_token(model, ids, mask, None, lambda out, t: out)  # the reward model's score
-    scores = losses.gather_at(values, losses.end_indices(mask))
-    return losses.pairwise_loss(scores[:2], scores[2:])
+def loss(kind: str, engine, ids, mask, answer) -> torch.Tensor:
+    """The step's own loss code on the rows: the SFT runner's, the preference runner's summed answer
+    log-probs under DPO's loss (rows 0-1 chosen, 2-3 rejected), the reward runner's pairwise loss."""
+    if kind == "sft":
+        return sft.lm_loss(engine, {"input_ids": ids, "attention_mask": mask,
+                                    "labels": torch.where(answer.bool(), ids, IGNORE_INDEX)})
+    if kind == "logp":
+        logp = preference.pair_logprobs(engine, {"input_ids": ids, "attention_mask": mask, "answer_mask": answer})
+        return losses.dpo_sigmoid(0.1 * (logp[:2] - logp[2:]), 1.0, 0.0).mean()
+    return reward.pair_scores(engine, {"input_ids": ids, "attention_mask": mask}, "last")[0]
 
 
 def main(out: str) -> None:
@@ -77,30 +81,31 @@ def main(out: str) -> None:
     if world > 1:
         sequence.setup(world)
     ids, mask, answer = rows()
-    found = {}
-    for family in FAMILIES:
-        for kind in ("sft", "logp", "reward"):
-            for stage in range(4):
-                torch.manual_seed(0)
-                lm = AutoModelForCausalLM.from_config(config(family))
-                if kind == "reward":
-                    torch.manual_seed(0)
-                    lm = RewardModel.from_config(config(family))
-                names = [n for n, _ in lm.named_parameters()]
-                ds = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1,
-                      "train_batch_size": ROWS * world, "zero_optimization": {"stage": stage},
-                      "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-                engine, *_ = deepspeed.initialize(model=lm, optimizer=torch.optim.SGD(lm.parameters(), lr=0.0),
-                                                  config=ds)
-                value = loss(kind, engine, ids, mask, answer)
-                engine.backward(value)
-                grads = {n: safe_get_full_grad(p).clone() for n, p in zip(names, engine.module.parameters(),
-                                                                          strict=True)}
-                engine.step()
-                found[f"{family}/{kind}/{stage}"] = (value.item(), grads)
-                engine.destroy()
+    found, widths = {}, []
+    for family, kind, stage, checkpointing in CASES:
+        torch.manual_seed(0)
+        lm = RewardModel.from_config(config(family)) if kind == "reward" else \
+            AutoModelForCausalLM.from_config(config(family))
+        if checkpointing:  # the backward recomputes each layer's forward: its attention sliced again
+            lm.gradient_checkpointing_enable({"use_reentrant": False})
+        names = [n for n, _ in lm.named_parameters()]
+        # The width of the rows the model ran: whole on one rank, this rank's slice with two.
+        (lm.hf_model if kind == "reward" else lm).get_input_embeddings().register_forward_hook(
+            lambda m, i, o: widths.append(i[0].shape[1]))
+        ds = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1,
+              "train_batch_size": ROWS * world, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=lm, optimizer=torch.optim.SGD(lm.parameters(), lr=0.0),
+                                          config=ds)
+        value = loss(kind, engine, ids, mask, answer)
+        engine.backward(value)
+        grads = {n: safe_get_full_grad(p).clone() for n, p in zip(names, engine.module.parameters(),
+                                                                  strict=True)}
+        engine.step()
+        found[f"{family}/{kind}/{stage}" + ("/checkpointing" if checkpointing else "")] = (value.item(), grads)
+        engine.destroy()
     if dist.get_rank() == 0:
-        torch.save(found, out)
+        torch.save({**found, "widths": widths}, out)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rlhf.chain import pipeline
 from rlhf.config import Config, to_schema
-from rlhf.launch import step as launch_step
 
 
 def run(cfg: DictConfig, overrides: list[str] | None = None, command: list[str] | None = None) -> dict:
     """Validate (every schema check, before any model or data loads), fix the run directory, and
     run the step or the chain. Raises ConfigError for user errors, before anything is written."""
     schema: Config = to_schema(cfg)
+    # Here, not at the top: the launch package's modules (rlhf.launch.processes, which the plan reads)
+    # import without the chain, which imports them.
+    from rlhf.chain import pipeline
+    from rlhf.launch import step as launch_step
     from rlhf.worker import quiet_libraries
 
     quiet_libraries()  # a dry-run and a chain read data and build models here too: no library bars

@@ -106,6 +106,14 @@ def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, 
     return scale * layers + logits
 
 
+def alltoall_bytes(m: ModelConfig, batch: int, seq: int, precision: str) -> float:
+    """The buffers of sequence parallelism's exchanges around one layer's attention (one layer at a
+    time): the sent and received copies of this rank's queries, keys, values and attention output
+    over its ``seq`` tokens."""
+    s = sizes(m)
+    return 2 * (2 * s.num_heads * s.head_dim + 2 * kv_width(m)) * batch * seq * bytes_per_param(precision)
+
+
 def bytes_per_param(precision: str) -> int:
     """Bytes of one weight at the training precision (16-bit or fp32)."""
     return 2 if precision in ("fp16", "bf16") else 4
@@ -227,10 +235,21 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
 
     if not STEPS[step.name].generates:  # a micro batch of pairs holds both answers of each pair
         batch = STEPS[step.name].seqs_per_row * micro
+        sp = cfg.parallel.sequence
+        seq = -(-step.max_seq_len // sp)  # this rank's slice of every sequence
+
+        def trained(role) -> RoleMemory:
+            m = actor if role.lm_head else cfg.model
+            r = trainable_role(role.name, m, cfg.lora.rank, batch, seq, role.lm_head)
+            if sp > 1:
+                buffers = alltoall_bytes(m, batch, seq, precision)
+                r.activations += buffers
+                r.notes.append(f"parallel.sequence={sp}: {seq} of {step.max_seq_len} tokens per rank, all-to-all "
+                               f"buffers {buffers / GIB:.2f} GiB")
+            return r
+
         # DPO's reference is counted even when its log-probs are precomputed: it is loaded for that pass.
-        return [trainable_role(role.name, actor if role.lm_head else cfg.model, cfg.lora.rank, batch,
-                               step.max_seq_len, role.lm_head)
-                if role.trainable else frozen_role(role.name, actor, step.offloads(role.name))
+        return [trained(role) if role.trainable else frozen_role(role.name, actor, step.offloads(role.name))
                 for role in step_roles(cfg)]
     seq = step.max_prompt_len + step.max_new_tokens
     out = []

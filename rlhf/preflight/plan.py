@@ -57,6 +57,8 @@ class Plan:
     fits: bool
     forecast: StepForecast | None
     no_forecast: str = ""  # why there is none (no peak, unreadable data)
+    # Where the step does not fit: the fewest ranks per sequence with which it would (None: none).
+    sequence_fit: int | None = None
     # The data reader's refusal (also among the problems), raised as itself where it is the only one.
     data_error: DataError | None = None
 
@@ -67,9 +69,15 @@ class Plan:
         lines = [*self.arithmetic, *(f"deepspeed config [{role}]: {json.dumps(ds)}" for role, ds in self.ds_configs.items()),
                  "launch: " + shlex.join(shown), *self.nodes, *self.sizes, *(f"refused: {p}" for p in self.problems),
                  memory.table(self.memory, self.schema.hardware.memory_per_device_gb),
+                 *([self._fits_with()] if self.sequence_fit else []),
                  forecast_table(self.forecast) if self.forecast is not None
                  else f"forecast [{self.schema.step.name}]: none ({self.no_forecast})"]
         return "\n".join(lines)
+
+    def _fits_with(self) -> str:
+        n = self.sequence_fit
+        return (f"memory: it fits with parallel.sequence={n} (each of {n} ranks holds 1/{n} of every sequence's "
+                f"activations; {self.schema.world_size // n} data-parallel groups)")
 
     def refuse(self) -> None:
         """Raise ConfigError when the step cannot run (before anything is written); the data reader's
@@ -80,7 +88,8 @@ class Plan:
             raise ConfigError("; ".join(self.problems))
         if not self.fits and not self.schema.launch.force:
             raise ConfigError(f"the run does not fit on {self.schema.hardware.name}:\n{self.text()}\n"
-                              "Lower the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
+                              + (f"Set parallel.sequence={self.sequence_fit}, or lower" if self.sequence_fit else "Lower")
+                              + " the micro batch, raise the zero stage, offload, use LoRA or checkpointing, or set "
                               "launch.force=true to run anyway.")
 
     def dry_run_result(self) -> dict:
@@ -89,7 +98,8 @@ class Plan:
         why = list(self.problems)
         if not self.fits and not self.schema.launch.force:
             why.append(f"{self.schema.step.name} does not fit in {self.schema.hardware.name}'s memory (the table "
-                       "above; launch.force=true runs it anyway)")
+                       "above" + (f"; it fits with parallel.sequence={self.sequence_fit}" if self.sequence_fit else "")
+                       + "; launch.force=true runs it anyway)")
         return {"dry_run": True, "fits": self.fits and not self.problems, "refused": why}
 
 
@@ -114,7 +124,7 @@ def build_plan(schema: Config, run_dir: Path, will_exist: dict[str, ModelConfig]
                     if v and v == judge.path), "critic.model")
         sized.append((key, judge))
     problems = missing_paths(schema, will_exist) + ppo_role_problems(sizing) + random_start(schema, keys) \
-        + budget_problems(sizing, keys)
+        + budget_problems(sizing, keys) + sequence_problems(sizing, [m for _, m in sized])
     # A hub id's conf/model numbers size an offline dry-run (it plans for a machine that can reach the
     # hub); a local folder without config.json fails from_pretrained wherever the run goes.
     problems += [f"{key}={m.path!r}: {memory.sizes(m).source}; from_pretrained needs its config.json"
@@ -132,7 +142,7 @@ def build_plan(schema: Config, run_dir: Path, will_exist: dict[str, ModelConfig]
                                                     f"{memory.sizes(m).describe()}{_not_yet(schema, key, will_exist)}"
                                                     for key, m in sized],
                 problems=problems, memory=estimate, fits=fits, forecast=forecast, no_forecast=str(no_forecast),
-                data_error=data_error)
+                data_error=data_error, sequence_fit=None if fits else sequence_fit(sizing, critic))
 
 
 def _not_yet(schema: Config, key: str, will_exist: dict) -> str:
@@ -166,6 +176,37 @@ def shaped_as_built(schema: Config, will_exist: dict[str, ModelConfig]) -> Confi
             where = os.path.join(m.path, m.gguf_file) if m.gguf_file else m.path
             setattr(sizing, role, dataclasses.replace(getattr(schema, role), path=where))
     return sizing
+
+
+def sequence_problems(schema: Config, models: list[ModelConfig]) -> list[str]:
+    """parallel.sequence's refusals for each model the step trains or scores, from its own config.json
+    (the run asks the loaded model the same)."""
+    from rlhf.sequence import problems
+
+    found = []
+    for m in models:
+        s = memory.sizes(m)
+        if why := problems(s.family, s.architecture, s.num_heads, s.num_kv_heads, schema.parallel.sequence):
+            found.append(why)
+    return list(dict.fromkeys(found))
+
+
+def sequence_fit(schema: Config, critic: ModelConfig | None) -> int | None:
+    """The fewest ranks per sequence (parallel.sequence) with which a step that does not fit would fit,
+    where its rows can be split and its models allow it; None where none does."""
+    if schema.parallel.sequence > 1 or not STEPS[schema.step.name].slices_sequences:
+        return None
+    from rlhf.sequence import problems
+
+    s = memory.sizes(schema.model)
+    for n in range(2, schema.world_size + 1):
+        if schema.world_size % n or problems(s.family, s.architecture, s.num_heads, s.num_kv_heads, n):
+            continue
+        trial = copy.copy(schema)
+        trial.parallel = dataclasses.replace(schema.parallel, sequence=n)
+        if memory.verdict(memory.estimate(trial, critic), schema.hardware.memory_per_device_gb)[0]:
+            return n
+    return None
 
 
 def random_start(schema: Config, keys: str = "") -> list[str]:
@@ -228,9 +269,17 @@ def _arithmetic(schema: Config) -> list[str]:
     lines = [f"== {step.name}: {schema.model.name} on {schema.hardware.name} "
              f"({schema.hardware.nodes} node(s) x {schema.hardware.devices_per_node}), zero {schema.zero.stage}"
              + (" + offload" if schema.zero.offload_optimizer.device != "none" else "")]
+    sp = schema.parallel.sequence
+    readers = (f"{schema.data_parallel_size} data-parallel groups of {sp} ranks sharing each sequence" if sp > 1
+               else f"{schema.world_size} ranks")
     lines.append(f"batch: {step.micro_batch_size_per_device} micro x {step.gradient_accumulation_steps} "
-                 f"accumulation x {schema.world_size} ranks = {step.global_batch_size} "
+                 f"accumulation x {readers} = {step.global_batch_size} "
                  f"{STEPS[step.name].rows} per optimizer step")
+    if sp > 1:
+        lines.append(f"sequence parallel: each rank runs {-(-step.max_seq_len // sp)} of every sequence's up to "
+                     f"{step.max_seq_len} tokens (DeepSpeed Ulysses attention: two all-to-alls per layer each way); "
+                     "answers the step generates (held-out accuracy, policy pairs) are generated whole on each rank. "
+                     f"DeepSpeed's train_batch_size counts every rank ({step.global_batch_size * sp})")
     if STEPS[step.name].generates:
         lines.append(f"rollouts: {step.rollout_batch_size_per_device} per device x {schema.world_size} ranks = "
                      f"{step.rollout_batch_size_per_device * schema.world_size} per PPO step, "

@@ -41,6 +41,7 @@ from rlhf.preflight.forecast.rates import (
     Rates,
     StepForecast,
     _note,
+    alltoall_s,
     collective_s,
     forward_flops,
     generation_s,
@@ -154,11 +155,16 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     trained = next(r for r in step_roles(cfg) if r.trainable)
     total, _, lora_params = param_counts(cfg.model, cfg.lora.rank, cfg.lora.target_modules)
     trainable = lora_params if lora and cfg.lora.only_optimize_lora else total + lora_params
-    compute = train_flops(cfg.model, seqs * seq, seq, trained.lm_head, step.gradient_checkpointing, lora)
+    # With parallel.sequence=N a rank runs 1/N of every sequence's tokens, each attending over the whole.
+    sp = cfg.parallel.sequence
+    compute = train_flops(cfg.model, seqs * seq / sp, seq, trained.lm_head, step.gradient_checkpointing, lora)
     if spec.has_role("reference"):  # the reference's forward over the same pairs
-        compute += forward_flops(cfg.model, seqs * seq, seq / 2, True)
+        compute += forward_flops(cfg.model, seqs * seq / sp, seq / 2, True)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
-                       hw.precision, rates)
+                       hw.precision, rates) + alltoall_s(cfg, seqs, seq / sp, rates)
+    if sp > 1:
+        notes.append(f"parallel.sequence={sp}: {seq / sp:.0f} tokens of each sequence per rank; the all-to-alls "
+                     f"around attention take {alltoall_s(cfg, seqs, seq / sp, rates):.3g} s per optimizer step")
     dispatch = step.gradient_accumulation_steps * overheads_s(cfg.model, rates)[0]
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}

@@ -133,6 +133,23 @@ def zero_comm_s(stage: int, params: int, trainable: int, micro_batches: int, wor
     return 2 * collective_s(grads, world, rates)
 
 
+def alltoall_s(cfg: Config, seqs: int, seq_slice: float, rates: Rates) -> float:
+    """Sequence parallelism's exchanges in one optimizer step of a trained model: around each layer's
+    attention, this rank's queries, keys and values go out and the attention output comes back
+    (each sending (N - 1) / N of its slice), in the forward and again in the backward, and once more
+    where gradient checkpointing recomputes the forward; over the node's link where a group of N
+    consecutive ranks fits in a node, else the slowest link."""
+    n = cfg.parallel.sequence
+    if n <= 1:
+        return 0.0
+    s = sizes(cfg.model)
+    width = 2 * s.num_heads * s.head_dim + 2 * s.num_kv_heads * s.head_dim
+    passes = 3 if cfg.step.gradient_checkpointing else 2
+    link = rates.node_link or rates.link if n <= cfg.hardware.devices_per_node else rates.link
+    size = seqs * seq_slice * width * bytes_per_param(cfg.hardware.precision)
+    return s.num_layers * passes * size * (n - 1) / n / link
+
+
 # ---------------------------------------------------------------------------------- rates
 def hardware_rates(cfg: Config) -> Rates:
     """Achieved rates of one device of the preset; on CPU the FLOP rate is measured (probe_cpu)."""
