@@ -35,10 +35,13 @@ def tiny_overrides(name: str) -> list[str]:
     tiny = TINY[cfg.model.family]
     world = cfg.hardware.nodes * cfg.hardware.devices_per_node
     hub_data = not all(looks_local(s.path) for s in cfg.data.sources)
-    # 2048 positions: the presets' sequences (up to 1024 + 1024 in PPO) must fit the tiny model.
+    # At least 2048 positions: the presets' sequences (up to 1024 + 1024 in PPO) must fit the tiny model.
     # A preset whose policy step starts from the (now random) model group, with no SFT before it, says so.
     policy_first = cfg.pipeline.steps and cfg.pipeline.steps[0] != "sft"
-    return [f"model={tiny}", "model.max_positions=2048", f"critic.model={tiny}",
+    # A long-context preset's positions too; its rows split over the 2 ranks where it splits them.
+    positions = max([2048] + [compose_step([f"experiment={name}"], s).step.max_seq_len for s in cfg.pipeline.steps])
+    split = [f"parallel.sequence={min(cfg.parallel.sequence, 2)}"] if cfg.parallel.sequence > 1 else []
+    return [f"model={tiny}", f"model.max_positions={positions}", f"critic.model={tiny}", *split,
             *([f"pipeline.{cfg.pipeline.steps[0]}.actor.random_init=true"] if policy_first else []),
             f"hardware={'cpu-2rank' if world > 1 else 'cpu'}", f"launch.master_port={free_port()}",
             *(["data.sources=[{path: ${project_root:}/data/synthetic/sort}]"] if hub_data else [])]
