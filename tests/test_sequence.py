@@ -82,6 +82,25 @@ def test_a_run_split_over_two_ranks_trains_to_the_one_rank_run_s_losses_and_weig
 
 
 @pytest.mark.slow
+def test_data_parallel_groups_beside_the_split_with_lora_and_checkpointing_train_as_data_parallelism(tmp_path):
+    """4 ranks as 2 groups of 2 that split each row (world = dp x sp) against 2 ranks that run whole
+    rows: the same rows per data-parallel rank, so the same losses and weights; LoRA (merged on save)
+    and gradient checkpointing on."""
+    args = ["step=sft", "zero=2", "lora.rank=4", "step.gradient_checkpointing=true", "step.max_steps=4",
+            "step.eval_every_steps=2", "step.micro_batch_size_per_device=8", "hardware=cpu-2rank", *QUIET]
+    dp = run_cli(*args, f"launch.master_port={free_port()}", f"run_dir={tmp_path / 'dp'}")
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    both = run_cli(*args, "hardware.devices_per_node=4", "parallel.sequence=2", f"launch.master_port={free_port()}",
+                   f"run_dir={tmp_path / 'both'}")
+    assert both.returncode == 0, (both.stdout + both.stderr)[-3000:]
+    for key in ("loss", "eval/loss"):
+        a, b = _losses(tmp_path / "dp", key), _losses(tmp_path / "both", key)
+        assert a.keys() == b.keys() and len(a) >= 2 and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (key, a, b)
+    wa, wb = (load_file(next((tmp_path / r / "model").glob("*.safetensors"))) for r in ("dp", "both"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+@pytest.mark.slow
 def test_a_rank_lost_mid_run_under_sequence_parallelism_resumes_exactly(tmp_path):
     from tests.test_faults import _lose_a_rank_then_resume
 
