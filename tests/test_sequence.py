@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rlhf import sequence
 from rlhf.config import ConfigError, to_schema
 from rlhf.preflight.plan import build_plan
-from tests.conftest import ROOT, clean_env, compose, compose_step, free_port, run_cli
+from tests.conftest import ROOT, clean_env, compose, compose_step, free_port, run_cli, start_cli
 from tests.sequence_worker import CASES, WIDTH
 
 WORKER = str(ROOT / "tests" / "sequence_worker.py")
@@ -83,16 +83,20 @@ def test_a_run_split_over_two_ranks_trains_to_the_one_rank_run_s_losses_and_weig
 
 @pytest.mark.slow
 def test_data_parallel_groups_beside_the_split_with_lora_and_checkpointing_train_as_data_parallelism(tmp_path):
-    """4 ranks as 2 groups of 2 that split each row (world = dp x sp) against 2 ranks that run whole
-    rows: the same rows per data-parallel rank, so the same losses and weights; LoRA (merged on save)
-    and gradient checkpointing on."""
+    """4 ranks as 2 groups of 2 that split each row (world = dp x sp; two nodes of 2 ranks on this
+    machine, as a cluster without ssh runs them) against 2 ranks that run whole rows: the same rows per
+    data-parallel rank, so the same losses and weights; LoRA (merged on save) and gradient checkpointing on."""
     args = ["step=sft", "zero=2", "lora.rank=4", "step.gradient_checkpointing=true", "step.max_steps=4",
             "step.eval_every_steps=2", "step.micro_batch_size_per_device=8", "hardware=cpu-2rank", *QUIET]
     dp = run_cli(*args, f"launch.master_port={free_port()}", f"run_dir={tmp_path / 'dp'}")
     assert dp.returncode == 0, dp.stderr[-3000:]
-    both = run_cli(*args, "hardware.devices_per_node=4", "parallel.sequence=2", f"launch.master_port={free_port()}",
-                   f"run_dir={tmp_path / 'both'}")
-    assert both.returncode == 0, (both.stdout + both.stderr)[-3000:]
+    hostfile, port = tmp_path / "hostfile", free_port()
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    nodes = [start_cli(*args, "hardware.nodes=2", "parallel.sequence=2", f"launch.hostfile={hostfile}",
+                       "launch.master_addr=127.0.0.1", f"launch.master_port={port}", f"launch.node_rank={k}",
+                       f"run_dir={tmp_path / 'both'}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in (0, 1)]
+    outs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     for key in ("loss", "eval/loss"):
         a, b = _losses(tmp_path / "dp", key), _losses(tmp_path / "both", key)
         assert a.keys() == b.keys() and len(a) >= 2 and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (key, a, b)
