@@ -42,7 +42,7 @@ WRAPPED = ("sdpa", "rlhf_sdpa_fp32_on_cpu", "flash_attention_2", "flash_attentio
 _size = 1
 _group = None
 _groups: dict[int, object] = {}
-_wrapped: list[bool] = []
+_wrapped = False
 _ulysses: dict[tuple, object] = {}
 
 
@@ -64,7 +64,7 @@ def setup(n: int) -> None:
     """Split the world into groups of ``n`` consecutive ranks and wrap the attention functions (once).
     Every rank calls this after the process group is up, at the start of each step: a chain's steps
     may share sequences over different numbers of ranks."""
-    global _size, _group
+    global _size, _group, _wrapped
     if n > 1 and n not in _groups:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -77,7 +77,7 @@ def setup(n: int) -> None:
             for name in WRAPPED:
                 if name in ALL_ATTENTION_FUNCTIONS:
                     ALL_ATTENTION_FUNCTIONS[name] = _wrap(ALL_ATTENTION_FUNCTIONS[name])
-            _wrapped.append(True)
+            _wrapped = True
     _size, _group = n, _groups.get(n)
 
 
@@ -170,6 +170,9 @@ def per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, targ
         return fn(model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs), targets)
     if why := model_problems(model):
         raise ConfigError(why)
+    if (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+        # The attention drops the mask: a pad before a real token would be attended to.
+        raise ValueError("sequence parallelism needs right-padded rows; these have padding before real tokens")
     rows, width = input_ids.shape
     part = -(-width // _size)
     pad = part * _size - width

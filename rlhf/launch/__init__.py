@@ -68,7 +68,7 @@ def usage() -> str:
               "Every key is documented by the comment above it in its YAML file (conf/config.yaml, conf/step/<step>.yaml,",
               "conf/model/..., conf/data/...); a misspelled key is refused with the nearest known one. Main keys:",
               "  step.epochs  step.max_steps  step.micro_batch_size_per_device  optim.lr  seed  run_dir  resume",
-              "  lora.rank  step.gradient_checkpointing  data.sources  data.rule  actor.path  critic.path",
+              "  lora.rank  step.gradient_checkpointing  parallel.sequence  data.sources  data.rule  actor.path  critic.path",
               "  pipeline.<step>.<key>=value   one key of one step of a chain, e.g. pipeline.ppo.step.epochs=1",
               "",
               "The composed config of a command:  python launch.py [overrides] --cfg job",
