@@ -15,6 +15,11 @@ DPO >= SFT + 20 points; every RL estimator >= SFT + 20 with the reward model, >=
     python bench/algorithms.py --chain runs/e2e/tiny-llama_synthetic-sort_seed42 --steps 375 --jobs 2
     python bench/algorithms.py --methods grpo rloo --rewards rule
     python bench/algorithms.py --methods dpo ipo --dpo step.beta=0.1
+    python bench/algorithms.py --task rlvr --methods grpo grpo_dynamic gspo --rewards rule   # pipeline=rlvr's task
+
+``--task rlvr`` runs the critic-free methods against the rule on pipeline=rlvr's task (synthetic-numbers:
+prompts with reference answers and no preference pairs) from that chain's own SFT start, each over the
+chain's GRPO stage (conf/stage/rlvr/ppo.yaml) with the method's overrides.
 """
 
 from __future__ import annotations
@@ -71,11 +76,17 @@ def launch(args: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
+# Per task: the chain that builds the start (and its steps), the PPO stage every RL method runs over.
+TASKS = {"sort": ("e2e", "[sft,reward]", "e2e/ppo"), "rlvr": ("rlvr", "[sft]", "rlvr/ppo")}
+
+
 def start_models(args) -> tuple[Path, Path]:
-    """The SFT start and the reward model: a chain's (--chain), or built with the e2e chain's stages."""
+    """The SFT start and the reward model: a chain's (--chain), or built with the task's chain's stages
+    (the rlvr task has no reward model)."""
     chain = args.chain or args.out / "chain"
+    pipeline, steps, _ = TASKS[args.task]
     if not args.chain:
-        launch(["pipeline=e2e", "pipeline.steps=[sft,reward]", f"seed={args.seed}", "logging.progress_bar=false",
+        launch([f"pipeline={pipeline}", f"pipeline.steps={steps}", f"seed={args.seed}", "logging.progress_bar=false",
                 f"run_dir={chain}"], args.out / "chain.log")
     return chain / "sft" / "model", chain / "reward" / "model"
 
@@ -87,7 +98,8 @@ def run_one(name: str, reward: str, sft: Path, rm: Path, args) -> dict:
         step, stages, variant = DPO_VARIANTS[name]
         overrides = [f"step={step}", *([f"+stage=[{','.join(stages)}]"] if stages else []), *common, *variant, *args.dpo]
     else:
-        overrides = ["step=ppo", "+stage=[e2e/ppo]", *common, f"critic.path={rm}", f"step.max_steps={args.steps}",
+        critic = [f"critic.path={rm}"] if args.task == "sort" else []
+        overrides = ["step=ppo", f"+stage=[{TASKS[args.task][2]}]", *common, *critic, f"step.max_steps={args.steps}",
                      *METHODS[name], *REWARDS[reward]]
     timing = run_dir / "bench_wall_s.json"
     if timing.exists() and (run_dir / "final_metrics.json").exists():  # finished by an earlier invocation
@@ -115,7 +127,14 @@ def main() -> None:
     ap.add_argument("--rewards", nargs="+", default=["rm", "rule"], choices=list(REWARDS))
     ap.add_argument("--dpo", nargs="*", default=[], help="extra overrides of the DPO run")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (wall times then share the CPU)")
+    ap.add_argument("--task", choices=list(TASKS), default="sort",
+                    help="sort: the shipped task of the default chain; rlvr: pipeline=rlvr's (the rule only)")
     args = ap.parse_args()
+    if args.task == "rlvr":
+        # No reward model and no pairs there: the critic-free methods against the rule.
+        unfit = [m for m in args.methods if m in DPO_VARIANTS or "gae" in " ".join(METHODS[m])]
+        if unfit or args.rewards != ["rule"]:
+            ap.error(f"--task rlvr takes critic-free methods with --rewards rule only (not {unfit or args.rewards})")
     args.out.mkdir(parents=True, exist_ok=True)
 
     from bench.rlhf_quality import test_accuracy, test_prompts
@@ -148,7 +167,7 @@ def main() -> None:
     print(table)
     (args.out / "algorithms.md").write_text(table + "\n")
     (args.out / "algorithms.json").write_text(json.dumps({"test_sft": before, "results": results}, indent=2))
-    plot(results, before, args.out / "algorithms.png")
+    plot(results, before, args.out / "algorithms.png", args.task)
     print(json.dumps({"test_sft": round(before, 4), "min_gain_rm": min((r["gain_points"] for r in results
                                                                        if r["reward"] == "rm"), default=None),
                       "min_gain_rule": min((r["gain_points"] for r in results if r["reward"] == "rule"), default=None),
@@ -156,7 +175,7 @@ def main() -> None:
                       "table": str(args.out / "algorithms.md"), "plot": str(args.out / "algorithms.png")}))
 
 
-def plot(results: list[dict], before: float, path: Path) -> None:
+def plot(results: list[dict], before: float, path: Path, task: str) -> None:
     try:
         import matplotlib
 
@@ -171,7 +190,7 @@ def plot(results: list[dict], before: float, path: Path) -> None:
     ax.bar(labels, [100 * r["test_after"] for r in results], color=[colors[r["reward"]] for r in results])
     ax.axhline(100 * before, color="black", linestyle="--", label=f"SFT start {100 * before:.1f}%")
     ax.set_ylabel("held-out accuracy by the rule (%)")
-    ax.set_title("Alignment methods on the shipped sort task (same SFT start, same rollout budget)")
+    ax.set_title(f"Alignment methods on the {task} task (same SFT start, same rollout budget)")
     ax.set_ylim(0, 110)
     ax.legend(loc="upper left", fontsize="small")
     ax.tick_params(axis="x", labelsize="small")

@@ -62,12 +62,14 @@ QUIET = ["logging.progress_bar=false", "data.max_eval_samples=32", "step.log_eve
 
 
 @pytest.mark.slow  # make test checks every loss's gradients through the worker above
-@pytest.mark.parametrize("step, zero", [("sft", "2"), ("reward", "3"), ("dpo", "1")])
+@pytest.mark.parametrize("step, zero", [("sft", "2"), ("reward", "3"), ("dpo", "1"), ("kto", "0")])
 def test_a_run_split_over_two_ranks_trains_to_the_one_rank_run_s_losses_and_weights(tmp_path, step, zero):
     """`python launch.py hardware=cpu-2rank step=sft parallel.sequence=2 zero=2 ...` against the same
     command on one rank (the same global batch: one data-parallel group reads what one rank reads)."""
     args = [f"step={step}", f"zero={zero}", "step.max_steps=6", "step.eval_every_steps=3", *QUIET]
-    args += {"reward": ["step.rule_check_answers=0"], "dpo": ["actor.random_init=true"]}.get(step, [])
+    # KTO: its reference point is a mean over every rank's rows, the split group's copies counted alike.
+    args += {"reward": ["step.rule_check_answers=0"], "dpo": ["actor.random_init=true"],
+             "kto": ["actor.random_init=true"]}.get(step, [])
     one = run_cli(*args, "hardware=cpu", f"run_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_cli(*args, "hardware=cpu-2rank", "parallel.sequence=2", f"launch.master_port={free_port()}",
