@@ -139,6 +139,8 @@ def main() -> None:
 
     from bench.rlhf_quality import test_accuracy, test_prompts
     from rlhf.config import load_run_config
+    from rlhf.data.blend import data_rule
+    from rlhf.models import load_tokenizer
 
     sft, rm = start_models(args)
     todo = [(m, r) for m in args.methods if m in METHODS for r in args.rewards]
@@ -149,9 +151,11 @@ def main() -> None:
     cfg = load_run_config(Path(results[0]["model"]).parent / "config.yaml")
     prompts = test_prompts(cfg)
     max_new = cfg.step.max_new_tokens
-    before = test_accuracy(sft, prompts, max_new)
+    # The data's own rule (the rlvr task's `math` reads each prompt's reference answer).
+    rule = data_rule(cfg.data, prompts, load_tokenizer(str(sft)))
+    before = test_accuracy(sft, prompts, max_new, rule)
     for r in results:
-        r["test_after"] = round(test_accuracy(Path(r["model"]), prompts, max_new), 4)
+        r["test_after"] = round(test_accuracy(Path(r["model"]), prompts, max_new, rule), 4)
         r["gain_points"] = round(100 * (r["test_after"] - before), 1)
         target = TARGETS["dpo" if r["reward"] == "pairs" else r["reward"]]
         r["target_met"] = r["gain_points"] >= target
