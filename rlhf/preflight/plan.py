@@ -277,7 +277,7 @@ def _arithmetic(schema: Config) -> list[str]:
                  f"{STEPS[step.name].rows} per optimizer step")
     if sp > 1:
         lines.append(f"sequence parallel: each rank runs {-(-step.max_seq_len // sp)} of every sequence's up to "
-                     f"{step.max_seq_len} tokens (DeepSpeed Ulysses attention: two all-to-alls per layer each way); "
+                     f"{step.max_seq_len} tokens (DeepSpeed Ulysses: all-to-alls around each layer's attention); "
                      "answers the step generates (held-out accuracy, policy pairs) are generated whole on each rank. "
                      f"DeepSpeed's train_batch_size counts every rank ({step.global_batch_size * sp})")
     if STEPS[step.name].generates:
