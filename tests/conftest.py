@@ -115,6 +115,26 @@ def start_cli(*args: str, env: dict[str, str] | None = None, **popen) -> subproc
     return subprocess.Popen(**_cli(args, None, env), **popen)
 
 
+def one_and_two_ranks(worker: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """What ``worker`` saves to its OUT argument run as one process and as two ranks through the
+    DeepSpeed launcher, both at once (each rank single-threaded)."""
+    import torch
+
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    env = clean_env(PYTHONPATH=str(ROOT))
+    single = subprocess.Popen([sys.executable, str(worker), str(one)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    ranks = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
+                            "--master_port", str(free_port()), str(worker), str(two)], cwd=tmp_path,
+                           capture_output=True, text=True, env=env, timeout=600)
+    out = single.communicate(timeout=600)[0]
+    assert single.returncode == 0, out[-3000:]
+    assert ranks.returncode == 0, (ranks.stdout + ranks.stderr)[-3000:]
+    return torch.load(one), torch.load(two)
+
+
 def same_run(a: Path, b: Path, key: str) -> None:
     """Runs ``a`` and ``b`` ended with the same weights (1e-6) and logged the same ``key`` at every
     step, each step once and in order (a resumed run appends to its metrics)."""

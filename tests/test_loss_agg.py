@@ -9,33 +9,16 @@ DeepSpeed engines, the runner's own ppo_update).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-import torch
-
 from rlhf import losses
-from tests.conftest import ROOT, clean_env, free_port
+from tests.conftest import ROOT, one_and_two_ranks
 from tests.loss_agg_worker import VARIANTS
 
-WORKER = str(ROOT / "tests" / "loss_agg_worker.py")
+WORKER = ROOT / "tests" / "loss_agg_worker.py"
 
 
 def test_gradients_do_not_depend_on_micro_batches_accumulation_or_ranks(tmp_path):
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    env = clean_env(PYTHONPATH=str(ROOT))
-    # The single-rank splits and the 2-rank run at once (each process is single-threaded).
-    single = subprocess.Popen([sys.executable, WORKER, str(one)], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    ranks = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
-                            "--master_port", str(free_port()), WORKER, str(two)], cwd=tmp_path, capture_output=True,
-                           text=True, env=env, timeout=600)
-    out = single.communicate(timeout=600)[0]
-    assert single.returncode == 0, out[-3000:]
-    assert ranks.returncode == 0, (ranks.stdout + ranks.stderr)[-3000:]
-    found = {**torch.load(one), **torch.load(two)}
+    single, ranks = one_and_two_ranks(WORKER, tmp_path)
+    found = {**single, **ranks}
     reference = found.pop("micro8x1")
     expected = {f"{e}/{a}/actor" for e in losses.ESTIMATORS for a in losses.LOSS_AGGS} | \
         {f"{e}/{a}/critic" for e, est in losses.ESTIMATORS.items() if est.needs_critic for a in losses.LOSS_AGGS} | \

@@ -11,36 +11,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from rlhf import sequence
 from rlhf.config import ConfigError, to_schema
 from rlhf.preflight.plan import build_plan
-from tests.conftest import ROOT, clean_env, compose, compose_step, free_port, run_cli, start_cli
+from tests.conftest import ROOT, compose, compose_step, free_port, one_and_two_ranks, run_cli, start_cli
 from tests.sequence_worker import CASES, WIDTH
 
-WORKER = str(ROOT / "tests" / "sequence_worker.py")
+WORKER = ROOT / "tests" / "sequence_worker.py"
 
 
 def test_split_rows_give_the_whole_rows_loss_and_every_gradient_at_every_zero_stage(tmp_path):
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    env = clean_env(PYTHONPATH=str(ROOT))
-    single = subprocess.Popen([sys.executable, WORKER, str(one)], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    ranks = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
-                            "--master_port", str(free_port()), WORKER, str(two)], cwd=tmp_path, capture_output=True,
-                           text=True, env=env, timeout=600)
-    out = single.communicate(timeout=600)[0]
-    assert single.returncode == 0, out[-3000:]
-    assert ranks.returncode == 0, (ranks.stdout + ranks.stderr)[-3000:]
-    whole, split = torch.load(one), torch.load(two)
+    whole, split = one_and_two_ranks(WORKER, tmp_path)
     # The rows really ran whole on one rank and in halves on two (the width padded from 13 to 14).
     assert set(whole.pop("widths")) == {WIDTH} and set(split.pop("widths")) == {-(-WIDTH // 2)}
     assert set(whole) == set(split) == {f"{f}/{k}/{z}" + ("/checkpointing" if c else "") for f, k, z, c in CASES}
