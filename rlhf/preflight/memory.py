@@ -106,12 +106,12 @@ def activation_bytes(m: ModelConfig, batch: int, seq: int, checkpointing: bool, 
     return scale * layers + logits
 
 
-def alltoall_bytes(m: ModelConfig, batch: int, seq: int, precision: str) -> float:
-    """The buffers of sequence parallelism's exchanges around one layer's attention (one layer at a
-    time): the sent and received copies of this rank's queries, keys, values and attention output
-    over its ``seq`` tokens."""
+def exchanged_bytes(m: ModelConfig, batch: int, seq: int, precision: str) -> float:
+    """What sequence parallelism exchanges around one layer's attention: this rank's queries, keys,
+    values and attention output over its ``seq`` tokens. Its buffers (one layer at a time) hold a sent
+    and a received copy."""
     s = sizes(m)
-    return 2 * (2 * s.num_heads * s.head_dim + 2 * kv_width(m)) * batch * seq * bytes_per_param(precision)
+    return (2 * s.num_heads * s.head_dim + 2 * kv_width(m)) * batch * seq * bytes_per_param(precision)
 
 
 def bytes_per_param(precision: str) -> int:
@@ -242,7 +242,7 @@ def estimate(cfg: Config, critic_model: ModelConfig | None = None,
             m = actor if role.lm_head else cfg.model
             r = trainable_role(role.name, m, cfg.lora.rank, batch, seq, role.lm_head)
             if sp > 1:
-                buffers = alltoall_bytes(m, batch, seq, precision)
+                buffers = 2 * exchanged_bytes(m, batch, seq, precision)
                 r.activations += buffers
                 r.notes.append(f"parallel.sequence={sp}: {seq} of {step.max_seq_len} tokens per rank, all-to-all "
                                f"buffers {buffers / GIB:.2f} GiB")

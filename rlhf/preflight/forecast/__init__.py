@@ -160,11 +160,12 @@ def _forecast(cfg: Config, rows: int, part_rows: int, rates: Rates | None,
     compute = train_flops(cfg.model, seqs * seq / sp, seq, trained.lm_head, step.gradient_checkpointing, lora)
     if spec.has_role("reference"):  # the reference's forward over the same pairs
         compute += forward_flops(cfg.model, seqs * seq / sp, seq / 2, True)
+    exchanges = alltoall_s(cfg, seqs, seq / sp, rates)
     comm = zero_comm_s(cfg.zero.stage, total + lora_params, trainable, step.gradient_accumulation_steps, world,
-                       hw.precision, rates) + alltoall_s(cfg, seqs, seq / sp, rates)
+                       hw.precision, rates) + exchanges
     if sp > 1:
         notes.append(f"parallel.sequence={sp}: {seq / sp:.0f} tokens of each sequence per rank; the all-to-alls "
-                     f"around attention take {alltoall_s(cfg, seqs, seq / sp, rates):.3g} s per optimizer step")
+                     f"around attention take {exchanges:.3g} s per optimizer step")
     dispatch = step.gradient_accumulation_steps * overheads_s(cfg.model, rates)[0]
     phases = {"compute": steps * (compute / rates.flops + dispatch), "communication": steps * comm,
               "evaluation": _supervised_evaluation_s(cfg, steps, rates)}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlhf.config import Config, ModelConfig
-from rlhf.preflight.memory import bytes_per_param, kv_width, param_counts, sizes, table_bytes
+from rlhf.preflight.memory import bytes_per_param, exchanged_bytes, kv_width, param_counts, sizes, table_bytes
 
 # Achieved fraction of the datasheet peak in training and scoring matrix products, at the micro
 # batches the presets use (how it was set: docs/design-notes.md, "The forecast's constants").
@@ -142,12 +142,10 @@ def alltoall_s(cfg: Config, seqs: int, seq_slice: float, rates: Rates) -> float:
     n = cfg.parallel.sequence
     if n <= 1:
         return 0.0
-    s = sizes(cfg.model)
-    width = 2 * s.num_heads * s.head_dim + 2 * s.num_kv_heads * s.head_dim
     passes = 3 if cfg.step.gradient_checkpointing else 2
     link = rates.node_link or rates.link if n <= cfg.hardware.devices_per_node else rates.link
-    size = seqs * seq_slice * width * bytes_per_param(cfg.hardware.precision)
-    return s.num_layers * passes * size * (n - 1) / n / link
+    size = exchanged_bytes(cfg.model, seqs, seq_slice, cfg.hardware.precision)
+    return sizes(cfg.model).num_layers * passes * size * (n - 1) / n / link
 
 
 # ---------------------------------------------------------------------------------- rates
